@@ -1,0 +1,36 @@
+"""What one scheduling step decided: the contract between Scheduler and ModelRunner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvforge.engine.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """One step.
+
+    ``scheduled`` lists requests in batch order; each computes tokens
+    ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[id]]``
+    (``num_computed_tokens`` is advanced only after the step, by ``update_from_output``).
+    ``block_ids[id]`` is the request's whole block table after allocation for this step.
+    ``block_copies`` are (src, dst) KV block copies the runner performs before the forward
+    (copy-on-write of a shared partial block).
+    ``forked[child_id] = parent_id``: the child shares the parent's prompt blocks and samples its
+    first token from the parent's logits row of this step (n > 1).
+    """
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    forked: dict[str, str] = field(default_factory=dict)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
