@@ -67,7 +67,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings") or d.get("n_positions") or 2048,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", d.get("model_type") == "qwen2"),
+            # Qwen2 always has q/k/v biases (its config may say attention_bias=None)
+            attention_bias=bool(d.get("attention_bias")) or d.get("model_type") == "qwen2",
             mlp_bias=d.get("mlp_bias", False),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             hidden_act=d.get("hidden_act", "silu"),

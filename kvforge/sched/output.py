@@ -17,7 +17,8 @@ class SchedulerOutput:
     ``block_copies`` are (src, dst) KV block copies the runner performs before the forward
     (copy-on-write of a shared partial block).
     ``forked[child_id] = parent_id``: the child shares the parent's prompt blocks and samples its
-    first token from the parent's logits row of this step (n > 1).
+    first token from the parent's logits row of this step (n > 1); ``forked_requests`` holds
+    those child Request objects in the same order.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -25,6 +26,7 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     forked: dict[str, str] = field(default_factory=dict)
+    forked_requests: list[Request] = field(default_factory=list)   # the children named in forked
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property

@@ -1,0 +1,1 @@
+"""Benchmark scripts. Run as ``python -m benchmarks.<name>`` or ``python benchmarks/<name>.py``."""

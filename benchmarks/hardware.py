@@ -1,0 +1,69 @@
+"""What machine we ran on, and what it can do: fp32 GEMM peak and memory read bandwidth,
+measured in the same process as the benchmark so the ratios are against the same conditions."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def cpu_model_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def physical_cores() -> int:
+    """Physical cores (hyper-threads excluded); the default torch thread count."""
+    try:
+        import psutil
+        n = psutil.cpu_count(logical=False)
+        if n:
+            return int(n)
+    except ImportError:
+        pass
+    return os.cpu_count() or 1
+
+
+def hardware_line() -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"hardware: {cpu_model_name()} | {physical_cores()} physical cores, "
+            f"{os.cpu_count()} logical | torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads | load avg {load}")
+
+
+def best_seconds(fn, reps: int) -> float:
+    """Fastest of ``reps`` timed calls (after one untimed warm-up call)."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_gemm_peak_flops(n: int = 2048, reps: int = 5) -> float:
+    """Achievable fp32 matmul FLOP/s: best of ``reps`` n x n @ n x n products."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    out = torch.empty(n, n)
+    seconds = best_seconds(lambda: torch.mm(a, b, out=out), reps)
+    return 2.0 * n ** 3 / seconds
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """Achievable memory read bandwidth in bytes/s: best of ``reps`` sums over an fp32 tensor
+    far larger than any cache."""
+    t = torch.ones(num_bytes // 4)
+    seconds = best_seconds(lambda: t.sum(), reps)
+    return t.numel() * 4 / seconds

@@ -1,0 +1,124 @@
+"""Batch-1 decode latency (ms per output token) of kvforge and HF, against the memory bound.
+
+    python benchmarks/latency.py                         # defaults: under a few minutes
+    python -m benchmarks.latency --output-len 32 --reps 2 --skip-hf
+
+One request of ``--prompt-len`` tokens (a fixed English text, repeated to length) is run with
+1 output token (prefill + first sample) and with 1 + ``--output-len`` output tokens, greedy with
+EOS ignored; best of ``--reps`` each after a warm-up. Decode ms/token = difference / output-len,
+so prefill is subtracted out.
+
+Memory-bandwidth bound, measured in the same process with the same ``--threads``:
+  bytes per decode token = 4 * (every matmul weight incl. the LM head + RMSNorm weights + one
+                           embedding row) + fp32 K/V of the average context (prompt + half the
+                           output), i.e. what one batch-1 step must stream from memory
+  read bandwidth         = best of a few ``t.sum()`` over a ``--bandwidth-gib`` fp32 tensor
+  bound                  = bytes / bandwidth  (ms/token no fp32 implementation can beat)
+"% of bound" is bound / measured: 100% means running at memory speed.
+
+Other flags: --model, --threads (default physical cores), --skip-hf, --skip-kvforge,
+--engine-arg KEY=VALUE, --json PATH. Ends with one ``SUMMARY latency:`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import add_common_args, build_systems, model_config_of, setup_threads
+from benchmarks.hardware import hardware_line, measure_read_bandwidth
+from benchmarks.model_cost import ModelShape
+from benchmarks.report import format_table, percent, write_json
+from benchmarks.workload import synthetic_requests
+
+_PROMPT_TEXT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
+                "The story should be warm, a little mysterious, and end with a surprise.")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bandwidth-gib", type=float, default=1.0)
+    add_common_args(p)
+    return p.parse_args(argv)
+
+
+def best_generate_seconds(system, requests, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        system.generate(requests)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_system(system, prompt_ids: list[int], output_len: int, reps: int) -> dict:
+    first = synthetic_requests(prompt_ids, 1, len(prompt_ids), 1)
+    full = synthetic_requests(prompt_ids, 1, len(prompt_ids), 1 + output_len)
+    system.generate(full)                              # warm-up
+    t_first = best_generate_seconds(system, first, reps)
+    t_full = best_generate_seconds(system, full, reps)
+    return {"system": system.name, "prefill_s": t_first,
+            "decode_ms_per_token": (t_full - t_first) / output_len * 1e3}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.prompt_len < 1 or args.output_len < 1 or args.reps < 1:
+        raise SystemExit("--prompt-len, --output-len and --reps must be >= 1")
+    threads = setup_threads(args.threads)
+    bandwidth = measure_read_bandwidth(int(args.bandwidth_gib * (1 << 30)))
+    kv, hf, encode = build_systems(args, hf_batch_size=1)
+    shape = ModelShape.from_config(model_config_of(kv, hf))
+    prompt_ids = synthetic_requests(encode(_PROMPT_TEXT), 1, args.prompt_len, 1)[0].prompt_token_ids
+
+    avg_context = args.prompt_len + args.output_len // 2
+    bytes_per_token = shape.decode_bytes_per_token(avg_context)
+    bound_ms = bytes_per_token / bandwidth * 1e3
+
+    rows = [measure_system(s, prompt_ids, args.output_len, args.reps) for s in (kv, hf) if s is not None]
+    for r in rows:
+        r["fraction_of_bound"] = bound_ms / r["decode_ms_per_token"] if r["decode_ms_per_token"] > 0 else 0.0
+
+    print(format_table(["system", "prefill+1st ms", "decode ms/token", "tok/s", "% of mem bound"],
+                       [[r["system"], r["prefill_s"] * 1e3, r["decode_ms_per_token"],
+                         1e3 / r["decode_ms_per_token"] if r["decode_ms_per_token"] > 0 else float("nan"),
+                         percent(r["fraction_of_bound"])] for r in rows]
+                       + [["memory bound", "", bound_ms, 1e3 / bound_ms, "100.0%"]]))
+    print()
+    print(hardware_line())
+    print(f"read bandwidth (t.sum over {args.bandwidth_gib:g} GiB fp32, best of 5): "
+          f"{bandwidth / 1e9:.1f} GB/s; bytes per decode token {bytes_per_token / 1e6:.1f} MB "
+          f"(weights + KV of {avg_context} tokens) -> bound {bound_ms:.2f} ms/token")
+
+    by_name = {r["system"]: r for r in rows}
+    k = by_name.get(kv.name) if kv else None
+    h = by_name.get(hf.name) if hf else None
+    parts = []
+    if k:
+        parts.append(f"kvforge {k['decode_ms_per_token']:.2f} ms/tok")
+    if h:
+        parts.append(f"{'vs ' if k else ''}HF {h['decode_ms_per_token']:.2f} ms/tok")
+    if k and h and k["decode_ms_per_token"] > 0:
+        parts[-1] += f" ({h['decode_ms_per_token'] / k['decode_ms_per_token']:.2f}x kvforge speedup)"
+    main_row = k or h
+    summary = " ".join(parts) + (f", bound {bound_ms:.2f} ms/tok ({main_row['system']} at "
+                                 f"{percent(main_row['fraction_of_bound'])} of bound)")
+    print(f"SUMMARY latency: {summary}")
+
+    payload = {"args": vars(args), "threads": threads, "hardware": hardware_line(),
+               "read_bandwidth_bytes_per_s": bandwidth, "bytes_per_decode_token": bytes_per_token,
+               "bound_ms_per_token": bound_ms, "results": rows, "summary": summary}
+    if args.json:
+        write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Command line: ``kvforge generate "prompt"``, ``kvforge chat``, ``kvforge info``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvforge.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool budget, e.g. 512MiB, 2GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs")
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
+                scheduling_policy=args.scheduling_policy, num_threads=args.num_threads)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+
+
+def _stream(engine, prompt, params) -> str:
+    """Run one request to completion, printing text as it is produced."""
+    rid = engine.add_request(None, prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.deltas[0])
+                sys.stdout.flush()
+                text = out.outputs[0].text
+    sys.stdout.write("\n")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.config import EngineConfig
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    params = sampling_params(args)
+    prompt = args.prompt
+    if args.chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _stream(engine, prompt, params)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.config import EngineConfig
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvforge chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reply = _stream(engine, ids, params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from kvforge.loader.source import load_model_source
+    from kvforge.models.registry import get_model_class
+    src = load_model_source(args.model)
+    cfg = src.config
+    model = get_model_class(cfg.architecture)(cfg, device="meta")
+    per_token = model.kv_cache_bytes_per_token()
+    print(f"model:          {src.path}")
+    print(f"architecture:   {cfg.architecture}")
+    print(f"layers:         {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, "
+          f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), head_dim {cfg.head_dim}")
+    print(f"context:        {cfg.max_position_embeddings} tokens, vocab {cfg.vocab_size}")
+    print(f"KV cache:       {per_token} bytes per token ({per_token / 1024:.1f} KiB, fp32), "
+          f"{per_token * cfg.max_position_embeddings / 2**20:.1f} MiB per full context")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt as a user turn of the model's chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    p.add_argument("--system", default=None)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("info", help="model facts, including KV bytes per token")
+    p.add_argument("model", nargs="?", default=None)
+    p.set_defaults(func=cmd_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvforge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Engine configuration: one validated dataclass; unknown keyword arguments fail early."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB' -> 2147483648; ints pass through."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse memory size {value!r} (use e.g. '512MiB', '2GiB')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be > 0, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None             # GGUF file or HF directory; None = default SmolLM2
+    dtype: str = "float32"               # compute dtype; fp32 is the fast path on CPU
+    device: str = "cpu"
+    block_size: int = 16                 # tokens per KV block
+    num_kv_blocks: int | None = None     # overrides kv_cache_memory
+    kv_cache_memory: int | str = "1GiB"  # budget for the paged KV pool
+    max_model_len: int | None = None     # defaults to the model's context length
+    max_num_batched_tokens: int = 2048   # token budget of one step
+    max_num_seqs: int = 128              # sequences in one step
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "paged"
+    num_threads: int | None = None       # torch intra-op threads; None = physical cores
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)

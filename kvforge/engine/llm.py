@@ -1,0 +1,96 @@
+"""Offline API: ``LLM(model).generate(prompts, params)`` and ``LLM.chat(messages)``."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvforge.config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation with continuous batching under the hood.
+
+    >>> llm = LLM()                     # default model: SmolLM2-135M-Instruct (GGUF)
+    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling params for "
+                                 f"{len(prompt_list)} prompts")
+        # validate everything before queueing anything, so a bad prompt leaves no half batch
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(results) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]          # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return prompts

@@ -1,0 +1,251 @@
+"""LLMEngine: one step() you can read top to bottom.
+
+    add_request ─► Scheduler.schedule() ─► ModelRunner.execute() ─► Scheduler.update_from_output()
+                                                                     └► detokenize, stop checks,
+                                                                        finish, RequestOutputs
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.detokenizer import IncrementalDetokenizer
+from kvforge.engine.model_runner import ModelRunner
+from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.stop_checker import StopChecker
+from kvforge.kvcache.kv_manager import KVCacheManager
+from kvforge.loader.source import load_model_source
+from kvforge.sampling_params import SamplingParams
+from kvforge.sched.config import SchedulerConfig
+from kvforge.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqState:
+    """Engine-side state of one sequence: text and stop handling."""
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    text: str = ""
+    emitted_len: int = 0
+
+
+class _Group:
+    """The n sequences of one user request."""
+
+    def __init__(self, request_id: str, prompt: str | None, seqs: list[_SeqState]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.seqs = seqs
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+def default_num_threads() -> int:
+    # physical cores: hyper-threads slow fp32 GEMM down
+    try:
+        cores = {line.split(":")[1].strip() for line in open("/proc/cpuinfo")
+                 if line.startswith("core id")}
+        sockets = {line.split(":")[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("physical id")}
+        n = len(cores) * max(len(sockets), 1)
+    except OSError:
+        n = 0
+    return max(1, min(n or os.cpu_count() or 1, os.cpu_count() or 1))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.manual_seed(config.seed)
+        source = load_model_source(config.model)
+        self.model_config = source.config
+        self.tokenizer = source.load_tokenizer()
+        context = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
+                             f"length {context}")
+        self.max_model_len = config.max_model_len or context
+        self.runner = ModelRunner(config, source, self.max_model_len)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_model_len=self.max_model_len, policy=config.scheduling_policy,
+            block_size=config.block_size), self.kv_manager)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        # a request can grow only as long as the context and the whole KV pool allow
+        self.max_len_per_request = min(self.max_model_len, self.scheduler.max_tokens_in_cache)
+        self._groups: dict[str, _Group] = {}
+        self._seq_states: dict[str, _SeqState] = {}
+        self._ids = itertools.count()
+        logger.info("kvforge engine: %s, %d layers, KV %d blocks (%d tokens, %d bytes/token)",
+                    self.model_config.architecture, self.model_config.num_hidden_layers,
+                    self.runner.num_blocks, self.runner.num_blocks * config.block_size,
+                    self.runner.kv_bytes_per_token)
+
+    # ------------------------------------------------------------ requests
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
+        """Validate and queue a request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        request_id = self.next_request_id() if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            prompt_text = None
+            token_ids = list(prompt)
+        self._validate_prompt(token_ids, params)
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, self.max_model_len - len(token_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            rid = request_id if i == 0 else f"{request_id}-{i}"
+            req = Request(rid, token_ids, params, arrival_time=arrival, priority=priority,
+                          eos_token_ids=self.eos_token_ids, parent_id=None if i == 0 else request_id,
+                          sample_index=i)
+            seqs.append(_SeqState(req, IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens),
+                StopChecker(params, self.eos_token_ids, self.max_len_per_request)))
+        seqs[0].request.pending_forks = [s.request for s in seqs[1:]]
+        self.scheduler.add_request(seqs[0].request)   # may still refuse: register after
+        self._groups[request_id] = _Group(request_id, prompt_text, seqs)
+        for s in seqs:
+            self._seq_states[s.request.request_id] = s
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for "
+                             f"one output token in the context of {self.max_model_len} tokens")
+        if len(token_ids) >= self.max_len_per_request:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but the KV pool holds only "
+                             f"{self.max_len_per_request} tokens for one request")
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for s in group.seqs:
+            if not s.request.is_finished:
+                self.scheduler.abort_request(s.request.request_id)
+            self._seq_states.pop(s.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        self.scheduler.update_from_output(sched, runner_out.sampled)
+
+        now = time.monotonic()
+        changed: dict[str, _Group] = {}
+        for rid, plp in runner_out.prompt_logprobs.items():
+            self._seq_states[rid].request.prompt_logprobs.extend(plp)
+        for rid, tokens in runner_out.sampled.items():
+            state = self._seq_states.get(rid)
+            if state is None:
+                continue
+            req = state.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if rid in runner_out.logprobs:
+                req.output_logprobs.append(runner_out.logprobs[rid])
+            for token in tokens:
+                state.text += state.detokenizer.step([token])
+                result = state.stop_checker.check(req, token, state.text)
+                if result.status is not None:
+                    if result.text is not None:
+                        state.text = result.text
+                    else:
+                        # bytes held back as a possibly incomplete character are final now
+                        state.text += state.detokenizer.flush()
+                    req.stop_reason = result.stop_reason
+                    self.scheduler.finish_request(rid, result.status)
+                    req.finished_time = now
+                    break
+            changed[req.parent_id or rid] = self._groups[req.parent_id or rid]
+        outputs = [self._make_output(g) for g in changed.values()]
+        for g in changed.values():
+            if g.finished:
+                del self._groups[g.request_id]
+                for s in g.seqs:
+                    self._seq_states.pop(s.request.request_id, None)
+        return outputs
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs, deltas = [], []
+        for s in group.seqs:
+            req = s.request
+            finished = req.is_finished
+            safe = len(s.text) if finished else s.stop_checker.safe_text_len(s.text)
+            deltas.append(s.text[s.emitted_len:safe])
+            s.emitted_len = max(s.emitted_len, safe)
+            outs.append(CompletionOutput(
+                index=req.sample_index, text=s.text if finished else s.text[:safe],
+                token_ids=list(req.output_token_ids), finish_reason=req.status.finish_reason,
+                stop_reason=req.stop_reason,
+                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None))
+        first = group.seqs[0].request
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=group.finished,
+            prompt_logprobs=(list(first.prompt_logprobs)
+                             if first.sampling_params.prompt_logprobs is not None else None),
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time,
+                                   first.first_token_time, first.finished_time,
+                                   sum(s.request.num_preemptions for s in group.seqs)),
+            deltas=deltas)
+
+    # --------------------------------------------------------------- debug
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks
+
+    @property
+    def model(self):
+        return self.runner.model
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, max_tokens=max(1, max_tokens))

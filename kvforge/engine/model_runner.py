@@ -1,0 +1,148 @@
+"""ModelRunner: turns a SchedulerOutput into one batched forward pass and sampled tokens.
+
+It owns the model, the paged KV cache tensors and the sampler; it never decides what runs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.config import EngineConfig
+from kvforge.engine.request import Request
+from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from kvforge.loader.source import ModelSource
+from kvforge.models.registry import get_model_class
+from kvforge.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> token ids sampled this step (one token per step without speculation)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> {token_id: logprob} for the sampled token and the top-N
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request_id -> per prompt position in this chunk: {token_id: logprob} (None for position 0)
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model_config = source.config
+        model_cls = get_model_class(self.model_config.architecture)
+        self.model = model_cls(self.model_config, attn_backend=config.attention_backend,
+                               dtype=self.dtype, device=self.device)
+        self.model.load_weights(source.iter_weights())
+        self.model.eval()
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.model.num_layers)]
+        self.sampler = Sampler()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    self.kv_bytes_per_token / 1024)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_cache_bytes_per_token()
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_token * self.block_size
+        num_blocks = self.config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory!r} holds no KV block "
+                             f"({per_block} bytes per block)")
+        return int(num_blocks)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        out = ModelRunnerOutput()
+        if not sched.scheduled:
+            return out
+
+        input_ids: list[int] = []
+        query_lens, context_lens, block_tables = [], [], []
+        for req in sched.scheduled:
+            n = sched.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start:start + n])
+            query_lens.append(n)
+            context_lens.append(start)
+            block_tables.append(sched.block_ids[req.request_id])
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size,
+                                       self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, meta.positions(), self.kv_caches, meta)
+
+        # Rows whose last position produces the next token: the request caught up with its
+        # tokens this step. Forked children (n > 1) sample from their parent's row.
+        sample_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        row_of: dict[str, int] = {}
+        ends = meta.query_start_loc[1:].tolist()
+        for i, req in enumerate(sched.scheduled):
+            n = query_lens[i]
+            if context_lens[i] + n == req.num_tokens:
+                row_of[req.request_id] = ends[i] - 1
+                sample_reqs.append(req)
+                sample_rows.append(ends[i] - 1)
+            if req.sampling_params.prompt_logprobs is not None and context_lens[i] < req.num_prompt_tokens:
+                out.prompt_logprobs[req.request_id] = self._prompt_logprobs(
+                    req, hidden, ends[i] - n, context_lens[i], n)
+        for child in sched.forked_requests:
+            sample_reqs.append(child)
+            sample_rows.append(row_of[sched.forked[child.request_id]])
+        if not sample_reqs:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        batch = SamplingBatch.from_requests(sample_reqs, logits.shape[-1], self.device)
+        result = self.sampler(logits, batch)
+        tokens = result.sampled_token_ids.tolist()
+        for j, req in enumerate(sample_reqs):
+            out.sampled[req.request_id] = [tokens[j]]
+        if result.logprobs is not None:
+            lp = result.logprobs.tolist()
+            lp_ids = result.logprob_token_ids.tolist()
+            for j, req in enumerate(sample_reqs):
+                k = req.sampling_params.logprobs
+                if k is None:
+                    continue
+                out.logprobs[req.request_id] = {t: v for t, v in zip(lp_ids[j][:k + 1], lp[j][:k + 1])}
+        return out
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, row0: int, start: int,
+                         n: int) -> list[dict[int, float] | None]:
+        """Logprob of each prompt token given the ones before it, for positions in this chunk."""
+        k = req.sampling_params.prompt_logprobs
+        result: list[dict[int, float] | None] = [None] if start == 0 else []
+        # position p predicts token p + 1; only prompt tokens are scored
+        last = min(start + n, req.num_prompt_tokens - 1)
+        if last <= start:
+            return result
+        logits = self.model.compute_logits(hidden[row0: row0 + (last - start)])
+        targets = torch.tensor(req.prompt_token_ids[start + 1: last + 1], device=self.device)
+        lp, ids = compute_prompt_logprobs(logits, targets, k)
+        for lp_row, id_row in zip(lp.tolist(), ids.tolist()):
+            result.append({t: v for t, v in zip(id_row, lp_row)})
+        return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            # cache: [2, num_blocks, ...]; copy-on-write of whole blocks for K and V
+            cache[:, dst] = cache[:, src]

@@ -1,0 +1,252 @@
+"""Read a GGUF file (llama.cpp's format) as a Hugging Face config dict plus HF-named tensors.
+
+Three translations happen here, so that the rest of kvforge only ever sees HF vocabulary:
+  1. metadata keys  ``llama.attention.head_count`` -> ``num_attention_heads`` ...
+  2. tensor names   ``blk.3.attn_q.weight``        -> ``model.layers.3.self_attn.q_proj.weight``
+  3. tensor layout  ggml shape [ne0, ne1] is torch shape [ne1, ne0], and llama.cpp's convert
+     script permuted the rows of q_proj / k_proj for its rotary layout; we permute them back.
+
+The file is memory-mapped by ``gguf.GGUFReader``; tensors are dequantized one at a time.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+# GGUF architecture name -> (HF architecture class, HF model_type)
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+# llama.cpp's convert_hf_to_gguf permutes q/k rows only for these (they use its "normal" rope;
+# qwen2 uses the NEOX rope layout and is stored unpermuted).
+_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+
+# per-layer GGUF tensor stem -> HF module path inside model.layers.N
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# types the default model and our tests exercise; gguf.quants handles others (K-quants, ...)
+# too, and a type it cannot dequantize fails loudly, naming the tensor
+TESTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"})
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """Open (memory-map) a GGUF file; anything malformed becomes a ValueError naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path!r}")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors, ...
+        raise ValueError(f"{path!r} is not a valid GGUF file: {type(e).__name__}: {e}") from e
+    # A file truncated after its header parses fine: numpy's memmap slicing silently returns
+    # short arrays for the missing tensor data. Check every tensor lies inside the file.
+    file_size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > file_size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{path!r} is truncated or corrupt: tensor {t.name!r} needs bytes "
+                             f"[{t.data_offset}, {t.data_offset + t.n_bytes}) but the file has "
+                             f"{file_size}")
+    return reader
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                         f"{sorted(_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_to_hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """Translate GGUF metadata into the dict a HF config.json would hold."""
+    arch = gguf_architecture(reader)
+    hf_arch, model_type = _ARCHITECTURES[arch]
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    # head_count_kv may be absent (then MHA) or, in some files, a per-layer array
+    n_kv = key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        n_kv = n_kv[0]
+    vocab = key("vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError("GGUF has neither a vocab_size key nor a token list")
+        vocab = len(tokens.data)
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_heads
+
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", 0)),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "hidden_act": "silu",
+        # output.weight absent means the head reuses the embedding matrix
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+    }
+    rope_type = key("rope.scaling.type")
+    if rope_type is not None and rope_type != "none":
+        scaling: dict[str, Any] = {"rope_type": rope_type, "type": rope_type}
+        if key("rope.scaling.factor") is not None:
+            scaling["factor"] = float(key("rope.scaling.factor"))
+        if key("rope.scaling.original_context_length") is not None:
+            scaling["original_max_position_embeddings"] = int(
+                key("rope.scaling.original_context_length"))
+        if key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        config["rope_scaling"] = scaling
+    if key("attention.sliding_window") is not None:
+        config["sliding_window"] = int(key("attention.sliding_window"))
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[hf_key] = int(value)
+    return config
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``; None if unknown
+    (e.g. llama.cpp's precomputed ``rope_freqs.weight``, which HF recomputes from the config)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_NAME.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, stem, kind = m.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[stem]}.{kind}"
+
+
+def unpermute_qk_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a q_proj/k_proj weight or bias.
+
+    Inside each head (head_dim = 2 * half rows), HF keeps the rotary pairs as the two halves
+    (rotate_half: row i pairs with row i + half); llama.cpp interleaves them (row 2i with 2i+1):
+
+        HF row order per head      [x0 x1 .. x(h-1) | y0 y1 .. y(h-1)]   viewed as (2, half)
+        llama.cpp row order        [x0 y0 x1 y1 .. x(h-1) y(h-1)]       viewed as (half, 2)
+
+    convert_hf_to_gguf did reshape(n_head, 2, half) -> swap -> (n_head, half, 2); we read the
+    rows as (n_head, half, 2) and swap back to (n_head, 2, half).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute {rows} rows over {n_head} heads (needs a multiple "
+                         f"of {2 * n_head})")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
+    # ggml lists dimensions fastest-first: ggml [ne0, ne1] == torch [ne1, ne0]
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def tensor_to_torch(t: gguf.ReaderTensor) -> torch.Tensor:
+    """Dequantize one GGUF tensor to its logical torch shape.
+
+    F16 / BF16 keep their dtype (the model casts); everything else becomes float32.
+    """
+    type_name = t.tensor_type.name
+    shape = _torch_shape(t)
+    if type_name == "F16":
+        return torch.from_numpy(np.array(t.data, dtype=np.float16)).reshape(shape)
+    if type_name == "BF16":
+        raw = np.array(t.data, dtype=np.uint8).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    if type_name == "F32":
+        return torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+    try:
+        values = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"tensor {t.name!r} has GGML type {type_name}, which gguf cannot "
+                         f"dequantize: {e}") from e
+    return torch.from_numpy(values).reshape(shape)
+
+
+def iter_gguf_weights(reader: GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) one at a time, q/k rows back in HF order."""
+    arch = gguf_architecture(reader)
+    config = gguf_to_hf_config(reader)
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        tensor = tensor_to_torch(t)
+        if arch in _PERMUTED_QK_ARCHS:
+            if ".self_attn.q_proj." in name:
+                tensor = unpermute_qk_rows(tensor, config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                tensor = unpermute_qk_rows(tensor, config["num_key_value_heads"])
+        yield name, tensor
+
+
+RawTensor = tuple[str, str, tuple[int, ...], np.ndarray]   # HF name, ggml type, shape, bytes
+
+
+def iter_raw_tensors(path: str | GGUFReader) -> Iterator[RawTensor]:
+    """Yield (HF name, ggml type name, logical torch shape, raw bytes as uint8) per tensor.
+
+    For quantization work that wants the file's blocks as they are. Note q_proj/k_proj rows are
+    still in llama.cpp's permuted order here (permuting quantized rows is a row gather, so a
+    consumer can apply ``unpermute_qk_rows`` to the (rows, bytes_per_row) array).
+    """
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        raw = np.asarray(t.data).view(np.uint8).reshape(-1)
+        yield name, t.tensor_type.name, _torch_shape(t), raw
+
+
+def gguf_chat_template(reader: GGUFReader) -> str | None:
+    return _field(reader, "tokenizer.chat_template")
+
+
+__all__ = ["GGMLQuantizationType", "open_gguf", "gguf_to_hf_config", "hf_tensor_name",
+           "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights", "iter_raw_tensors",
+           "gguf_chat_template", "TESTED_TYPES"]

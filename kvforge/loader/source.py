@@ -1,0 +1,66 @@
+"""ModelSource: one handle on a model's config, weights and tokenizer, whatever the file format.
+
+    load_model_source(None)            -> the default GGUF (see default_model.py)
+    load_model_source("dir/")          -> HF directory (config.json + safetensors)
+    load_model_source("model.gguf")    -> GGUF file
+
+Weights always come out under Hugging Face parameter names, one tensor at a time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+
+from kvforge.loader import gguf_loader, hf_loader
+from kvforge.loader.default_model import default_model_path
+from kvforge.models.config import ModelConfig
+from kvforge.tokenizer import Tokenizer
+
+ModelFormat = Literal["gguf", "hf"]
+
+
+@dataclass
+class ModelSource:
+    config: ModelConfig
+    path: str
+    format: ModelFormat
+    # the open GGUF reader: parsing its metadata costs seconds, so reuse it for the weights
+    _reader: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.format not in ("gguf", "hf"):
+            raise ValueError(f"model format must be 'gguf' or 'hf', got {self.format!r}")
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor) pairs; float32, or the file's float16/bfloat16."""
+        if self.format == "gguf":
+            reader = self._reader if self._reader is not None else gguf_loader.open_gguf(self.path)
+            return gguf_loader.iter_gguf_weights(reader)
+        return hf_loader.iter_hf_weights(self.path)
+
+    def load_tokenizer(self) -> Tokenizer:
+        if self.format == "gguf":
+            return Tokenizer.from_gguf(self.path)
+        return Tokenizer.from_pretrained(self.path)
+
+
+def load_model_source(path: str | None = None) -> ModelSource:
+    if path is None:
+        path = default_model_path()
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        if not hf_loader.is_hf_dir(path):
+            raise FileNotFoundError(f"model directory {path!r} has no config.json")
+        config = ModelConfig.from_hf_dict(hf_loader.read_hf_config(path))
+        return ModelSource(config=config, path=path, format="hf")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"unrecognised model file {path!r}: expected a .gguf file or a HF "
+                             f"model directory")
+        reader = gguf_loader.open_gguf(path)
+        config = ModelConfig.from_hf_dict(gguf_loader.gguf_to_hf_config(reader))
+        return ModelSource(config=config, path=path, format="gguf", _reader=reader)
+    raise FileNotFoundError(f"model path not found: {path!r}")

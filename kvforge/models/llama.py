@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM): pre-norm blocks of
+RMSNorm -> attention with RoPE -> RMSNorm -> SwiGLU MLP, residual adds fused into the norms.
+
+Differences between the members are config flags, not code paths:
+  - q/k/v biases: ``attention_bias`` (Qwen2 always; Llama's flag also adds an o_proj bias)
+  - ``head_dim`` may differ from hidden_size / num_heads
+  - tied or separate ``lm_head``; rope_scaling default / linear / llama3 (see layers/rotary.py)
+  - sliding window (Mistral, some Qwen2) is NOT applied here yet: attention is full causal, which
+    is exact as long as sequences stay within ``sliding_window`` tokens (a separate backend
+    handles windows).
+Module names follow HF so checkpoint names map directly; q/k/v load into one ``qkv_proj`` and
+gate/up into one ``gate_up_proj`` (one matmul each instead of three / two).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvforge.attention.base import get_backend_cls
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.layers.activation import GatedActivation
+from kvforge.layers.linear import Linear, MergedLinear
+from kvforge.layers.norm import RMSNorm
+from kvforge.layers.rotary import RotaryEmbedding
+from kvforge.models.config import ModelConfig
+
+# HF checkpoint projection -> (our fused module, shard index within it)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# Families whose attention_bias covers q/k/v only (HF Llama's flag also biases o_proj)
+_QKV_ONLY_BIAS = {"Qwen2ForCausalLM", "qwen2"}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     bias=config.attention_bias, dtype=dtype, device=device)
+        o_bias = config.attention_bias and config.architecture not in _QKV_ONLY_BIAS
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        self.attn = get_backend_cls(attn_backend)(self.num_heads, self.num_kv_heads, self.head_dim,
+                                                  scale=self.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # qkv row: [ q (H heads) | k (KVH heads) | v (KVH heads) ]; q and k are rotated together
+        # as one [T, H + KVH, D] view, so RoPE costs one set of ops per layer, not two
+        qk = rotary.apply(qkv[:, : self.q_size + self.kv_size]
+                          .view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim),
+                          cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        if config.intermediate_size <= 0:
+            raise ValueError(f"intermediate_size must be > 0, got {config.intermediate_size}")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias,
+                                         dtype=dtype, device=device)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, dtype=dtype,
+                                device=device)
+        self.act_fn = GatedActivation(config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, hidden, residual, rotary, cos, sin, kv_cache, meta):
+        # the residual stream is carried separately and added inside the next norm:
+        # residual = hidden + residual; hidden = norm(residual)
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, dtype, device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position=config.max_position_embeddings,
+                                          base=config.rope_theta, rope_scaling=config.rope_scaling,
+                                          dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: str = "paged",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.dtype = dtype
+        self.model = LlamaModel(config, attn_backend, dtype, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                              device=device)
+        # inference only: no autograd bookkeeping on any op
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final-normed hidden states."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        rotary = model.rotary_emb
+        cos, sin = rotary.cos_sin(positions)       # gathered once, shared by every layer
+        residual = None
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, rotary, cos, sin, kv_cache, meta)
+        hidden, _ = model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size))
+
+    def kv_cache_bytes_per_token(self) -> int:
+        per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, K and V
+        return per_layer * torch.empty((), dtype=self.dtype).element_size() * self.num_layers
+
+    # ------------------------------------------------------------------ weights
+    def _expected_weights(self) -> set[str]:
+        expected = set()
+        for name, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                kinds = ("weight", "bias") if module.has_bias else ("weight",)
+                expected |= {f"{name}.{k}#{i}" for k in kinds for i in range(len(module.output_sizes))}
+            elif isinstance(module, Linear):
+                expected |= {f"{name}.weight"} | ({f"{name}.bias"} if module.has_bias else set())
+            else:
+                expected |= {f"{name}.{p}" for p in module._parameters}
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ValueError on an unknown name, a bad shape, or a
+        parameter left unloaded (``lm_head.weight`` comes from the embedding when tied)."""
+        tied = self.config.tie_word_embeddings
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue            # stale buffer in old checkpoints; we compute our own
+            if name == "lm_head.weight" and tied:
+                continue            # some tied checkpoints store a copy; the embedding wins
+            if name == "model.embed_tokens.weight" and tied:
+                self.lm_head.load_weight("weight", tensor)
+                loaded.add("lm_head.weight")
+            loaded.add(self._load_one(name, tensor))
+        missing = self._expected_weights() - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:10]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> str:
+        module_path, _, kind = name.rpartition(".")
+        parent_path, _, leaf = module_path.rpartition(".")
+        try:
+            if leaf in _STACKED:
+                fused_name, shard = _STACKED[leaf]
+                fused_path = f"{parent_path}.{fused_name}"
+                self.get_submodule(fused_path).load_shard(shard, kind, tensor)
+                return f"{fused_path}.{kind}#{shard}"
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}") from None
+        if isinstance(module, Linear):
+            module.load_weight(kind, tensor)
+            return name
+        param = module._parameters.get(kind)
+        if param is None:
+            raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+        if param.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(param.shape)}")
+        param.copy_(tensor)
+        return name

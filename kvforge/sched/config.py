@@ -1,0 +1,40 @@
+"""Scheduler limits, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """How much work one step may hold.
+
+    - ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill chunks).
+    - ``max_num_seqs``: most requests running at once (n > 1 siblings count from admission).
+    - ``enable_chunked_prefill``: a prompt may be split over steps. When off a prompt is only
+      scheduled whole, so this config REQUIRES ``max_num_batched_tokens >= max_model_len``
+      (raises ValueError otherwise); without it a long prompt could never be scheduled.
+    - ``max_model_len``: most tokens (prompt + output) one request may hold.
+    - ``policy``: waiting-queue policy name (see ``kvforge.sched.queues``).
+    - ``block_size``: tokens per KV block; must match the KVCacheManager's.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in one step")
+        from kvforge.sched.queues import available_policies
+        if self.policy not in available_policies():
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; "
+                             f"known: {available_policies()}")

@@ -1,0 +1,167 @@
+"""Waiting-queue policies behind one interface, chosen by name through a registry."""
+from __future__ import annotations
+
+import bisect
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+from kvforge.engine.request import Request
+
+_POLICIES: dict[str, type["RequestQueue"]] = {}
+
+
+def register_queue_policy(name: str):
+    def deco(cls: type[RequestQueue]) -> type[RequestQueue]:
+        _POLICIES[name] = cls
+        cls.policy_name = name
+        return cls
+    return deco
+
+
+def available_policies() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def create_request_queue(policy: str) -> "RequestQueue":
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown scheduling policy {policy!r}; known: {available_policies()}")
+    return _POLICIES[policy]()
+
+
+class RequestQueue(ABC):
+    """The scheduler's waiting queue.
+
+    Contract:
+    - ``peek``/``pop`` give the request to admit next; both raise IndexError when empty.
+    - ``add`` enqueues a new request; ``prepend`` re-enqueues a preempted one so that it is
+      admitted no later than it would have been before preemption (FCFS: the very front).
+    - ``remove`` takes out a request that is in the queue (ValueError otherwise), e.g. on abort.
+    - iteration yields requests in admission order; ``len``/``bool`` count them.
+    - ``select_preemption_victim(running)`` names the running request the policy gives up first
+      when KV blocks run out.
+    A request is in the queue at most once; the queue never changes a request's fields.
+    """
+
+    policy_name: str = "base"
+
+    @abstractmethod
+    def add(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def prepend(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def peek(self) -> Request: ...
+
+    @abstractmethod
+    def pop(self) -> Request: ...
+
+    @abstractmethod
+    def remove(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def select_preemption_victim(self, running: Sequence[Request]) -> Request:
+        """Default: the most recently admitted (last in the running list)."""
+        if not running:
+            raise ValueError("no running request to preempt")
+        return running[-1]
+
+
+@register_queue_policy("fcfs")
+class FCFSRequestQueue(RequestQueue):
+    """First come, first served; preempted requests jump back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        if not self._queue:
+            raise IndexError("peek from an empty request queue")
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        if not self._queue:
+            raise IndexError("pop from an empty request queue")
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        for i, queued in enumerate(self._queue):
+            if queued is request:
+                del self._queue[i]
+                return
+        raise ValueError(f"request {request.request_id!r} is not in the queue")
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+@register_queue_policy("priority")
+class PriorityRequestQueue(RequestQueue):
+    """Lower ``priority`` value first, then earlier ``arrival_time``, then insertion order.
+
+    Kept as a sorted list: admission order is its iteration order, and removing from the middle
+    needs no lazy-deletion bookkeeping. A preempted request simply goes back in at its key,
+    which already places it ahead of every later arrival of equal priority.
+    """
+
+    def __init__(self) -> None:
+        # (priority, arrival_time, insertion counter, request); the counter makes keys unique
+        self._entries: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._counter), request)
+        bisect.insort(self._entries, entry, key=lambda e: e[:3])
+
+    def prepend(self, request: Request) -> None:
+        self.add(request)
+
+    def peek(self) -> Request:
+        if not self._entries:
+            raise IndexError("peek from an empty request queue")
+        return self._entries[0][3]
+
+    def pop(self) -> Request:
+        if not self._entries:
+            raise IndexError("pop from an empty request queue")
+        return self._entries.pop(0)[3]
+
+    def remove(self, request: Request) -> None:
+        for i, entry in enumerate(self._entries):
+            if entry[3] is request:
+                del self._entries[i]
+                return
+        raise ValueError(f"request {request.request_id!r} is not in the queue")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in self._entries)
+
+    def select_preemption_victim(self, running: Sequence[Request]) -> Request:
+        """The lowest priority (largest value), latest arrival; ties go to the later admitted."""
+        if not running:
+            raise ValueError("no running request to preempt")
+        index = max(range(len(running)),
+                    key=lambda i: (running[i].priority, running[i].arrival_time, i))
+        return running[index]

@@ -1,0 +1,362 @@
+"""Continuous batching with chunked prefill and recompute preemption (vLLM v1 style).
+
+One vocabulary for every request: it needs ``num_tokens - num_computed_tokens`` more tokens of
+KV before its next sample. A step is a map ``{request_id: num_scheduled_tokens}`` under two caps,
+a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+    1. RUNNING requests, in order: decodes take 1 token, unfinished prefills min(rest, budget).
+       Out of KV blocks -> preempt the policy's victim (FCFS: newest) and retry; if the victim
+       is the request itself, stop.
+    2. Only if nothing was preempted: WAITING requests from the queue head, each taking
+       min(rest, budget) tokens (the whole rest with chunked prefill off), until one does not
+       fit (no skipping ahead).
+    3. Parents whose chunk completes their prompt fork their pending n > 1 siblings.
+    4. Batch order: 1-token requests (decodes) first, then prefill chunks.
+
+The engine loop calls ``schedule()``, runs the model, then ``update_from_output()`` with the
+sampled ids, then ``finish_request()`` for requests its stop checks end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.kvcache.kv_manager import KVCacheManager, cdiv
+from kvforge.sched.config import SchedulerConfig
+from kvforge.sched.output import SchedulerOutput
+from kvforge.sched.queues import create_request_queue
+
+
+@dataclass
+class _StepPlan:
+    """What the step under construction holds; the token budget shrinks as requests join."""
+
+    tokens_left: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, Request] = field(default_factory=dict)          # in scheduling order
+    block_copies: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
+    forked: dict[str, str] = field(default_factory=dict)
+    forked_requests: list[Request] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, copies: list[tuple[int, int]]) -> None:
+        assert 0 < num_tokens <= self.tokens_left
+        self.tokens_left -= num_tokens
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.requests[request.request_id] = request
+        self.block_copies.extend((request.request_id, copy) for copy in copies)
+
+    def remove(self, request_id: str) -> None:
+        """Undo ``add`` for a request preempted later in the same step."""
+        if request_id in self.requests:
+            del self.requests[request_id]
+            self.tokens_left += self.num_scheduled_tokens.pop(request_id)
+            # its copy destinations were freed with its blocks
+            self.block_copies = [(rid, c) for rid, c in self.block_copies if rid != request_id]
+
+    def to_output(self, kv_manager: KVCacheManager) -> SchedulerOutput:
+        ordered = sorted(self.requests.values(),             # stable: keeps scheduling order
+                         key=lambda r: self.num_scheduled_tokens[r.request_id] != 1)
+        return SchedulerOutput(
+            scheduled=ordered,
+            num_scheduled_tokens={r.request_id: self.num_scheduled_tokens[r.request_id]
+                                  for r in ordered},
+            block_ids={r.request_id: kv_manager.get_block_ids(r.request_id) for r in ordered},
+            # recorded order is a safe execution order: a copy's src can be freed and reused
+            # only after the copy was recorded
+            block_copies=[copy for _, copy in self.block_copies],
+            forked=dict(self.forked),
+            forked_requests=list(self.forked_requests),
+            preempted_request_ids=list(self.preempted_request_ids))
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue, the running list and, through the
+    KVCacheManager, every request's KV blocks. Not thread-safe: one engine loop drives it."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        if config.block_size != kv_manager.block_size:
+            raise ValueError(f"SchedulerConfig.block_size {config.block_size} != "
+                             f"KVCacheManager.block_size {kv_manager.block_size}")
+        self.config = config
+        self.kv_manager = kv_manager
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        # every unfinished request, including n > 1 siblings not yet forked
+        self.requests: dict[str, Request] = {}
+        self._pending_fork_parent: dict[str, Request] = {}   # child id -> parent
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id (None once finished or if never added)."""
+        return self.requests.get(request_id)
+
+    @property
+    def max_tokens_in_cache(self) -> int:
+        """Longest sequence the KV cache can hold. A request must stop growing by then (the
+        engine's length check), else once alone it can never be scheduled again."""
+        return self.kv_manager.num_blocks * self.config.block_size
+
+    def _num_seq_slots_used(self) -> int:
+        # running requests plus the siblings they will fork: reserved at admission so that a
+        # fork never pushes the running count over max_num_seqs
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+
+    # ---- adding and finishing ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; its n - 1 siblings ride along in ``request.pending_forks``."""
+        family = [request, *request.pending_forks]
+        for member in family:
+            if member.request_id in self.requests:
+                raise ValueError(f"duplicate request id {member.request_id!r}")
+            if member.status is not RequestStatus.WAITING or member.num_computed_tokens != 0:
+                raise ValueError(f"request {member.request_id!r} is not fresh: {member!r}")
+        if len({m.request_id for m in family}) != len(family):
+            raise ValueError(f"duplicate ids among {request.request_id!r} and its forks")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if cdiv(request.num_tokens, self.config.block_size) > self.kv_manager.num_blocks:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                             f"more than the KV cache holds ({self.max_tokens_in_cache})")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                             f"more than max_model_len {self.config.max_model_len}")
+        if len(family) > self.config.max_num_seqs:
+            raise ValueError(f"request {request.request_id!r} asks for {len(family)} sequences, "
+                             f"more than max_num_seqs {self.config.max_num_seqs}")
+        for child in request.pending_forks:
+            if child.pending_forks or child.all_token_ids != request.all_token_ids:
+                raise ValueError(f"fork {child.request_id!r} must have its parent's prompt and "
+                                 f"no forks of its own")
+        for member in family:
+            self.requests[member.request_id] = member
+        for child in request.pending_forks:
+            self._pending_fork_parent[child.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request in any state: free its blocks and take it out of every queue.
+
+        A parent that has not forked yet takes its pending siblings with it. Unknown or already
+        finished ids are ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status!r}")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request_id in self._pending_fork_parent:
+            parent = self._pending_fork_parent.pop(request_id)
+            parent.pending_forks[:] = [c for c in parent.pending_forks if c is not request]
+        else:
+            self.waiting.remove(request)
+        self.kv_manager.free(request_id)
+        request.status = status
+        request.finished_time = time.monotonic()
+        for child in list(request.pending_forks):
+            self.finish_request(child.request_id, status)
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(tokens_left=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_request_ids:
+            self._schedule_waiting(plan)
+        self._fork_completed_prompts(plan)
+        if not plan.requests and not self.running and self.waiting:
+            self._raise_if_never_fits(self.waiting.peek())
+        return plan.to_output(self.kv_manager)
+
+    def _raise_if_never_fits(self, request: Request) -> None:
+        # an empty step with an empty running list repeats forever: fail loudly instead
+        if request.num_tokens > self.max_tokens_in_cache:
+            raise RuntimeError(
+                f"request {request.request_id!r} grew to {request.num_tokens} tokens but the KV "
+                f"cache holds only {self.max_tokens_in_cache}: it can never be scheduled; stop "
+                f"requests at Scheduler.max_tokens_in_cache or enlarge the cache")
+
+    def _num_tokens_to_schedule(self, request: Request, tokens_left: int) -> int:
+        remaining = request.num_remaining_tokens
+        if self.config.enable_chunked_prefill:
+            return max(0, min(remaining, tokens_left))
+        return remaining if 0 < remaining <= tokens_left else 0
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue                          # preempted as a victim earlier in this loop
+            if plan.tokens_left == 0:
+                break
+            num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
+            if num_tokens == 0:
+                continue
+            if not self._allocate_or_preempt(request, num_tokens, plan):
+                break
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
+        """Allocate for a running request, preempting victims until it fits; False if the
+        request itself had to go."""
+        while True:
+            slots = self.kv_manager.allocate_slots(request, num_tokens)
+            if slots is not None:
+                plan.add(request, num_tokens, slots.block_copies)
+                return True
+            victim = self.waiting.select_preemption_victim(self.running)
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Recompute preemption: drop its KV; it goes back to the front of the waiting queue."""
+        self.running.remove(request)
+        self.kv_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        plan.remove(request.request_id)
+        plan.preempted_request_ids.append(request.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        seq_slots_used = self._num_seq_slots_used()
+        while self.waiting and plan.tokens_left > 0:
+            request = self.waiting.peek()
+            seq_slots = 1 + len(request.pending_forks)
+            if seq_slots_used + seq_slots > self.config.max_num_seqs:
+                break
+            num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
+            if num_tokens == 0:
+                break
+            slots = self.kv_manager.allocate_slots(request, num_tokens)
+            if slots is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            seq_slots_used += seq_slots
+            plan.add(request, num_tokens, slots.block_copies)
+
+    def _fork_completed_prompts(self, plan: _StepPlan) -> None:
+        """After all allocation (no preemption can follow), so a forking parent is sure to run
+        this step and its logits row is there for the children's first samples."""
+        now = time.monotonic()
+        for request_id, parent in list(plan.requests.items()):
+            completes = (parent.num_computed_tokens + plan.num_scheduled_tokens[request_id]
+                         == parent.num_tokens)
+            if not (parent.pending_forks and completes):
+                continue
+            for child in parent.pending_forks:
+                self.kv_manager.fork(request_id, child.request_id)
+                del self._pending_fork_parent[child.request_id]
+                child.status = RequestStatus.RUNNING
+                child.first_scheduled_time = now
+                self.running.append(child)
+                plan.forked[child.request_id] = request_id
+                plan.forked_requests.append(child)
+            parent.pending_forks.clear()
+
+    # ---- after the forward ---------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens and append sampled ids; returns the requests that got tokens.
+
+        ``sampled`` must hold ids exactly for the requests whose computed tokens reach
+        ``num_tokens`` this step and for the forked children. Requests finished while the step
+        ran (e.g. aborted) are skipped.
+        """
+        advanced: list[tuple[Request, list[int]]] = []
+        for request in output.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            num_computed = request.num_computed_tokens + output.num_scheduled_tokens[request.request_id]
+            if num_computed > request.num_tokens:
+                raise RuntimeError(f"{request!r} scheduled past its last token")
+            tokens = sampled.get(request.request_id) or []
+            if (num_computed == request.num_tokens) != bool(tokens):
+                raise ValueError(f"request {request.request_id!r}: sampled {tokens!r} but "
+                                 f"computed {num_computed} of {request.num_tokens} tokens")
+            advanced.append((request, tokens))
+        forked: list[tuple[Request, list[int]]] = []
+        for child_id in output.forked:
+            child = self.requests.get(child_id)
+            if child is None or child.status is not RequestStatus.RUNNING:
+                continue
+            tokens = sampled.get(child_id) or []
+            if not tokens:
+                raise ValueError(f"forked request {child_id!r} got no sampled token")
+            forked.append((child, tokens))
+
+        now = time.monotonic()
+        got_tokens: list[Request] = []
+        for request, tokens in advanced:
+            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            if tokens:
+                self._append_tokens(request, tokens, now)
+                got_tokens.append(request)
+        for child, tokens in forked:
+            # it shares the parent's prompt KV, computed in this step
+            child.num_computed_tokens = child.num_tokens
+            self._append_tokens(child, tokens, now)
+            got_tokens.append(child)
+        return got_tokens
+
+    @staticmethod
+    def _append_tokens(request: Request, tokens: list[int], now: float) -> None:
+        for token in tokens:
+            request.append_output_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """KV accounting plus: each unfinished request is in exactly one place, running ones
+        hold blocks, waiting and pending ones hold none, no block table is orphaned."""
+        self.kv_manager.check_integrity()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        pending_ids = list(self._pending_fork_parent)
+        places = running_ids + waiting_ids + pending_ids
+        assert len(places) == len(set(places)), f"a request is in two places: {sorted(places)}"
+        assert set(places) == set(self.requests), (
+            f"tracked {sorted(self.requests)} but placed {sorted(places)}")
+        for request in self.running:
+            assert self.requests[request.request_id] is request
+            assert request.status is RequestStatus.RUNNING, f"{request!r} in running list"
+            assert self.kv_manager.has_blocks(request.request_id), f"running {request!r} has no blocks"
+            assert 0 <= request.num_computed_tokens <= request.num_tokens, f"{request!r}"
+            num_blocks = len(self.kv_manager.get_block_ids(request.request_id))
+            assert num_blocks >= cdiv(request.num_computed_tokens, self.config.block_size), (
+                f"{request!r} has computed KV beyond its {num_blocks} blocks")
+        for request in self.waiting:
+            assert self.requests[request.request_id] is request
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request!r}"
+            assert not self.kv_manager.has_blocks(request.request_id), f"waiting {request!r} holds blocks"
+            assert request.num_computed_tokens == 0, f"waiting {request!r} kept computed tokens"
+        for child_id, parent in self._pending_fork_parent.items():
+            child = self.requests[child_id]
+            assert child.status is RequestStatus.WAITING, f"pending fork {child!r}"
+            assert any(c is child for c in parent.pending_forks), f"{child!r} lost by its parent"
+            assert self.requests.get(parent.request_id) is parent, f"{child!r} has a finished parent"
+            assert not self.kv_manager.has_blocks(child_id), f"pending fork {child!r} holds blocks"
+        orphans = set(self.kv_manager.request_ids()) - set(running_ids)
+        assert not orphans, f"block tables of non-running requests: {sorted(orphans)}"
+        assert self._num_seq_slots_used() <= self.config.max_num_seqs, "max_num_seqs exceeded"

@@ -1,0 +1,118 @@
+"""Tokenizer: a thin wrapper over a transformers fast tokenizer with the engine's vocabulary.
+
+The engine needs ids in, text out, a chat template and the set of ids that end a generation.
+transformers does the real work (BPE, added tokens, jinja2 chat templates, GGUF vocabularies);
+this class only fixes the choices the engine depends on (e.g. no decode-time space clean-up, so
+decoding a token list piecewise and whole agree).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+# Turn-end markers of common chat templates. When the template uses one and it is a single
+# token, generation must stop there even if the model's eos is a different token.
+_CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                    "</s>")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, *, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self._tok = hf_tokenizer
+        eos: list[int] = []
+        if hf_tokenizer.eos_token_id is not None:
+            eos.append(int(hf_tokenizer.eos_token_id))
+        eos.extend(int(i) for i in extra_eos_token_ids)
+        template = self.chat_template or ""
+        for text in _CHAT_END_TOKENS:
+            if text not in template:
+                continue
+            ids = hf_tokenizer.convert_tokens_to_ids([text])
+            if ids and ids[0] is not None and ids[0] != hf_tokenizer.unk_token_id:
+                eos.append(int(ids[0]))
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))   # dedup, keep order
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path: str) -> "Tokenizer":
+        """Vocabulary, merges and chat template from a GGUF file's metadata (offline)."""
+        from transformers import AutoTokenizer
+        path = os.path.abspath(path)
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                           local_files_only=True)
+        return cls(hf)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "Tokenizer":
+        """tokenizer.json / tokenizer_config.json from a HF model directory (offline)."""
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return cls(hf, extra_eos_token_ids=_generation_config_eos(model_dir))
+
+    # --- vocabulary ---------------------------------------------------------------------------
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tok
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocab + added tokens)."""
+        return len(self._tok)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self._tok.all_special_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self._tok.convert_ids_to_tokens(list(ids))
+
+    # --- text <-> ids -------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects a str, got {type(text).__name__}")
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of spaces: it rewrites " ." -> "." depending on neighbours, which would
+        # make decode(a + b) != decode(a) + decode(b) at the seams the detokenizer relies on.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+
+    # --- chat ---------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; pass a plain prompt instead")
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        return self._tok.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        # The rendered text already holds the template's special tokens (bos included when the
+        # template writes it), so encoding must not add them a second time.
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _generation_config_eos(model_dir: str) -> list[int]:
+    """Extra stop ids from generation_config.json (e.g. Llama-3 lists several)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,76 @@
+"""HF transformers as the correctness oracle: tiny random models and greedy references."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def build_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides):
+    """A random HF model of a given family, saved (sharded) with SmolLM2's tokenizer."""
+    import transformers as tf
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+    if kind not in classes:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    cfg_cls, model_cls = classes[kind]
+    torch.manual_seed(seed)
+    config = cfg_cls(**{**TINY_BASE, **overrides})
+    model = model_cls(config).eval()
+    # small shards so the sharded safetensors path (index json) is exercised
+    model.save_pretrained(out_dir, max_shard_size="2MB")
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return model
+
+
+def load_hf_gguf(path: str):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_k: int = 5):
+    """Greedy decode with the HF model (no EOS stop). Returns (tokens, top-k logprob dicts)."""
+    ids = torch.tensor([prompt_ids])
+    out = model(ids, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[0, -1]
+    tokens, logprobs = [], []
+    for _ in range(max_new_tokens):
+        lp = torch.log_softmax(logits.float(), -1)
+        tok = int(torch.argmax(lp))
+        vals, idx = torch.topk(lp, top_k)
+        tokens.append(tok)
+        logprobs.append({int(i): float(v) for i, v in zip(idx, vals)})
+        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1]
+    return tokens, logprobs
+
+
+def check_greedy_close(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs, name=""):
+    """vLLM-style: equal token for token; where float noise flips a near-tie, each side's token
+    must be in the other's top-k at that position (then the sequences diverge: stop there)."""
+    assert len(ours_tokens) == len(hf_tokens), f"{name}: lengths {len(ours_tokens)} != {len(hf_tokens)}"
+    for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)):
+        if a == b:
+            if ours_logprobs is not None:
+                assert abs(ours_logprobs[i][a] - hf_logprobs[i][b]) < 5e-2, \
+                    f"{name}: logprob of token {a} at {i}: {ours_logprobs[i][a]} vs {hf_logprobs[i][b]}"
+            continue
+        assert ours_logprobs is not None, f"{name}: token {i} differs ({a} vs HF {b})"
+        assert b in ours_logprobs[i] and a in hf_logprobs[i], (
+            f"{name}: token {i} differs ({a} vs HF {b}) and is not a near-tie: "
+            f"ours {ours_logprobs[i]}, HF {hf_logprobs[i]}")
+        return i
+    return len(ours_tokens)

@@ -1,0 +1,88 @@
+"""Tokenizer over SmolLM2's GGUF vocabulary: ids, round trips, chat template, stop ids."""
+from __future__ import annotations
+
+import pytest
+
+from kvforge.tokenizer import Tokenizer
+
+TEXTS = ["Hello", "Hello, world! 1234", "naïve café ünïcödé", "世界你好，こんにちは", "🤗 emoji 👨‍👩‍👧 zwj",
+         "tabs\tand\nnewlines\n\n  spaces", "a . b , c ' s", "<|im_start|>user"]
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_path) -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path)
+
+
+def test_vocabulary_facts(tok):
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert {0, 1, 2} <= set(tok.all_special_ids)
+    # eos of SmolLM2 is <|im_end|> itself, so the chat end token adds nothing new
+    assert tok.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers_and_round_trips(tok, text):
+    ids = tok.encode(text)
+    assert ids == tok.hf_tokenizer(text)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_known_ids(tok):
+    assert tok.encode("Hello") == [19556]
+    # the emoji spans byte-level tokens that are not characters on their own
+    assert tok.encode(" 🤗") == [15107, 114, 241]
+    assert tok.encode("<|im_start|>user") == [1, 4093]     # special token parsed from text
+
+
+def test_decode_skips_special_tokens(tok):
+    ids = [1, 19556, 2]
+    assert tok.decode(ids) == "Hello"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>Hello<|im_end|>"
+
+
+def test_chat_template_renders_chatml(tok):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    expected = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+                "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.render_chat(messages) == expected
+    assert tok.render_chat(messages, add_generation_prompt=False) == expected.removesuffix(
+        "<|im_start|>assistant\n")
+
+    ids = tok.apply_chat_template(messages)
+    reference = tok.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"]
+    assert ids == list(reference)
+    assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
+    assert ids[-4:] == [1, 520, 9531, 198]                   # "<|im_start|>assistant\n"
+
+
+def test_chat_with_system_message(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    text = tok.render_chat(messages)
+    assert SYSTEM not in text and text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert text.count("<|im_start|>") == 5
+
+
+def test_chat_end_token_joins_eos(tokenizer_dir):
+    # a tokenizer whose eos is <|endoftext|> must still stop at the template's <|im_end|>
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir, eos_token="<|endoftext|>")
+    assert Tokenizer(hf).eos_token_ids == (0, 2)
+    assert Tokenizer(hf, extra_eos_token_ids=[7, 0]).eos_token_ids == (0, 7, 2)
+
+
+def test_bad_inputs(tokenizer_dir):
+    tok = Tokenizer.from_pretrained(tokenizer_dir)
+    with pytest.raises(ValueError, match="str"):
+        tok.encode(["not", "a", "string"])
+    with pytest.raises(ValueError, match="non-empty"):
+        tok.render_chat([])
+    tok.hf_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
