@@ -1,0 +1,64 @@
+"""Quantization methods: a registry of configs that hand out a LinearMethod per layer.
+
+Contract: a ``QuantizationConfig`` subclass is registered under its CLI name
+(``--quantization NAME``). The model asks ``get_linear_method(prefix)`` for every linear layer
+it builds (``prefix`` is the HF module name, e.g. ``model.layers.3.mlp.down_proj`` or
+``lm_head``); returning ``None`` keeps that layer unquantized. The returned method
+(kvforge.layers.linear.LinearMethod) owns the layer's storage and kernel; quantization happens in
+``process_weights_after_loading`` (or at load for pre-quantized sources such as GGUF blocks).
+Methods that need calibration (AWQ, SmoothQuant) implement ``calibrate(model, batches)``, called
+by the engine before weights are finalised; their results are saved with the model so that a
+reload does not recalibrate.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from kvforge.layers.linear import LinearMethod
+
+_QUANT_CONFIGS: dict[str, type["QuantizationConfig"]] = {}
+
+
+def register_quantization(name: str):
+    def deco(cls):
+        _QUANT_CONFIGS[name] = cls
+        cls.name = name
+        return cls
+    return deco
+
+
+def available_quantizations() -> list[str]:
+    _import_builtin()
+    return sorted(_QUANT_CONFIGS)
+
+
+def get_quantization_config(name: str, **kwargs: Any) -> "QuantizationConfig | None":
+    """``none`` (or None) -> None; unknown names raise ValueError listing the known ones."""
+    if name in (None, "", "none"):
+        return None
+    _import_builtin()
+    if name not in _QUANT_CONFIGS:
+        raise ValueError(f"unknown quantization {name!r}; known: {['none'] + sorted(_QUANT_CONFIGS)}")
+    return _QUANT_CONFIGS[name](**kwargs)
+
+
+def _import_builtin() -> None:
+    import importlib
+    import pkgutil
+
+    import kvforge.quant as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in ("base",):
+            importlib.import_module(f"kvforge.quant.{mod.name}")
+
+
+class QuantizationConfig(ABC):
+    name: str = "base"
+    needs_calibration: bool = False
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str) -> LinearMethod | None: ...
+
+    def calibrate(self, model, batches) -> None:  # pragma: no cover - only calibrating methods
+        raise NotImplementedError(f"{self.name} needs no calibration")
