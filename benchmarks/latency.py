@@ -12,7 +12,8 @@ Memory-bandwidth bound, measured in the same process with the same ``--threads``
   bytes per decode token = 4 * (every matmul weight incl. the LM head + RMSNorm weights + one
                            embedding row) + fp32 K/V of the average context (prompt + half the
                            output), i.e. what one batch-1 step must stream from memory
-  read bandwidth         = best of a few ``t.sum()`` over a ``--bandwidth-gib`` fp32 tensor
+  read bandwidth         = best of a few ``t.sum()`` over a ``--bandwidth-gib`` fp32 tensor,
+                           before and after the runs
   bound                  = bytes / bandwidth  (ms/token no fp32 implementation can beat)
 "% of bound" is bound / measured: 100% means running at memory speed.
 
@@ -80,9 +81,11 @@ def main(argv=None) -> dict:
 
     avg_context = args.prompt_len + args.output_len // 2
     bytes_per_token = shape.decode_bytes_per_token(avg_context)
-    bound_ms = bytes_per_token / bandwidth * 1e3
 
     rows = [measure_system(s, prompt_ids, args.output_len, args.reps) for s in (kv, hf) if s is not None]
+    # a shared machine drifts: measure again and keep the better (the stricter bound)
+    bandwidth = max(bandwidth, measure_read_bandwidth(int(args.bandwidth_gib * (1 << 30))))
+    bound_ms = bytes_per_token / bandwidth * 1e3
     for r in rows:
         r["fraction_of_bound"] = bound_ms / r["decode_ms_per_token"] if r["decode_ms_per_token"] > 0 else 0.0
 
@@ -93,7 +96,7 @@ def main(argv=None) -> dict:
                        + [["memory bound", "", bound_ms, 1e3 / bound_ms, "100.0%"]]))
     print()
     print(hardware_line())
-    print(f"read bandwidth (t.sum over {args.bandwidth_gib:g} GiB fp32, best of 5): "
+    print(f"read bandwidth (t.sum over {args.bandwidth_gib:g} GiB fp32, best of 5, before and after): "
           f"{bandwidth / 1e9:.1f} GB/s; bytes per decode token {bytes_per_token / 1e6:.1f} MB "
           f"(weights + KV of {avg_context} tokens) -> bound {bound_ms:.2f} ms/token")
 

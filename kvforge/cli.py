@@ -19,8 +19,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes shared across requests (radix tree)")
     g.add_argument("--scheduling-policy", default="fcfs")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="store paged K/V in 8 bits (4x the tokens of fp32 per byte)")
+    g.add_argument("--quantization", default="none",
+                   help="weight quantization: none, int8, int4, gguf, awq, ... (kvforge.quant)")
+    g.add_argument("--quantization-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="option of the quantization method, e.g. group_size=128 (repeatable)")
+
+
+def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
+    from kvforge.quant.commands import parse_key_values
+    return parse_key_values(items)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -28,7 +41,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
-                scheduling_policy=args.scheduling_policy, num_threads=args.num_threads)
+                scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+                enable_prefix_caching=args.enable_prefix_caching,
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                quantization_args=parse_quantization_args(args.quantization_arg))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -115,6 +131,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvforge.server.serve import run
+    if args.model_pos is not None:
+        args.model = args.model_pos
+    return run(engine_kwargs(args), args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvforge.bench.serving import run_from_args
+    run_from_args(args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="model facts, including KV bytes per token")
     p.add_argument("model", nargs="?", default=None)
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
+    add_engine_args(p)
+    from kvforge.server.serve import add_server_args
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("serve", help="serving benchmark against a running server")
+    from kvforge.bench.serving import add_bench_args
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench_serve)
+    from kvforge.quant.commands import add_quant_commands
+    add_quant_commands(sub, add_engine_args)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -35,8 +35,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048   # token budget of one step
     max_num_seqs: int = 128              # sequences in one step
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True   # radix-tree reuse of KV across shared prefixes
     scheduling_policy: str = "fcfs"
     attention_backend: str = "paged"
+    kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (paged backend)
+    quantization: str = "none"           # weight quantization method (kvforge.quant registry)
+    quantization_args: dict | None = None  # its options, e.g. {"group_size": 128}
     num_threads: int | None = None       # torch intra-op threads; None = physical cores
     seed: int = 0
 
@@ -54,8 +58,18 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        # an fp8 KV cache is an attention backend variant: swap "paged" for "paged_fp8_*"
+        from kvforge.quant.fp8_kv import fp8_backend_name
+        self.attention_backend = fp8_backend_name(self.attention_backend, self.kv_cache_dtype)
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
+        if self.quantization_args is not None and not isinstance(self.quantization_args, dict):
+            raise ValueError(f"quantization_args must be a dict, got {self.quantization_args!r}")
+        if self.quantization not in (None, "", "none"):
+            from kvforge.quant.base import available_quantizations
+            if self.quantization not in available_quantizations():
+                raise ValueError(f"unknown quantization {self.quantization!r}; known: "
+                                 f"{['none'] + available_quantizations()}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

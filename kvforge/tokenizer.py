@@ -36,11 +36,29 @@ class Tokenizer:
     # --- construction -------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path: str) -> "Tokenizer":
-        """Vocabulary, merges and chat template from a GGUF file's metadata (offline)."""
+        """Vocabulary, merges and chat template from a GGUF file's metadata (offline).
+
+        transformers re-parses the whole GGUF to build the tokenizer (seconds), so the result is
+        saved once under the kvforge cache dir, keyed by the file's path, size and mtime, and later
+        loads read that fast tokenizer.json instead."""
         from transformers import AutoTokenizer
         path = os.path.abspath(path)
+        cached = _gguf_tokenizer_cache_dir(path)
+        if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer.json")):
+            try:
+                return cls(AutoTokenizer.from_pretrained(cached, local_files_only=True))
+            except Exception:  # a damaged cache entry: rebuild it below
+                pass
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                            local_files_only=True)
+        if cached is not None:
+            try:
+                tmp = f"{cached}.tmp{os.getpid()}"
+                hf.save_pretrained(tmp)
+                os.makedirs(os.path.dirname(cached), exist_ok=True)
+                os.replace(tmp, cached)
+            except OSError:  # read-only home or a concurrent writer: the cache is optional
+                pass
         return cls(hf)
 
     @classmethod
@@ -116,3 +134,15 @@ def _generation_config_eos(model_dir: str) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _gguf_tokenizer_cache_dir(path: str) -> str | None:
+    """``$KVFORGE_CACHE_DIR`` (default ~/.cache/kvforge)/tokenizers/<key>; None disables caching."""
+    import hashlib
+    root = os.environ.get("KVFORGE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache",
+                                                                "kvforge"))
+    if root in ("", "0", "off"):
+        return None
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return os.path.join(root, "tokenizers", key)

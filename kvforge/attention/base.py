@@ -28,6 +28,9 @@ def get_backend_cls(name: str) -> type["AttentionBackend"]:
     if name not in _BACKENDS:
         # lazy import of the built-in backends
         import kvforge.attention.paged  # noqa: F401
+        import kvforge.attention.tiled  # noqa: F401
+        import kvforge.attention.mla  # noqa: F401
+        import kvforge.quant.fp8_kv  # noqa: F401  (paged_fp8_e4m3, paged_fp8_e5m2)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     return _BACKENDS[name]
@@ -57,6 +60,10 @@ class AttentionBackend(ABC):
         self.head_size = head_size
         self.head_size_v = head_size_v or head_size
         self.scale = scale
+
+    def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the cache tensor the runner allocates (fp8 backends store 8-bit K/V)."""
+        return compute_dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         # [2 (K, V), num_blocks, block_size, num_kv_heads, head_size]

@@ -40,8 +40,13 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv_heads, head_size = kv_cache.shape[-2:]
     key_slots = kv_cache[0].view(-1, num_kv_heads, head_size)
     value_slots = kv_cache[1].view(-1, num_kv_heads, kv_cache.shape[-1])
-    key_slots.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    value_slots.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1 and kv_cache.is_floating_point():
+        # fp8 caches: index_copy_ has no fp8 kernel on CPU, so copy the bytes
+        key_slots, value_slots = key_slots.view(torch.uint8), value_slots.view(torch.uint8)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    key_slots.index_copy_(0, slot_mapping, k)
+    value_slots.index_copy_(0, slot_mapping, v)
 
 
 def shifted_causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:

@@ -79,7 +79,8 @@ class LLMEngine:
                              f"length {context}")
         self.max_model_len = config.max_model_len or context
         self.runner = ModelRunner(config, source, self.max_model_len)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                         enable_prefix_caching=config.enable_prefix_caching)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
@@ -94,6 +95,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_states: dict[str, _SeqState] = {}
         self._ids = itertools.count()
+        self.num_preemptions_total = 0          # read by the server's metrics
         logger.info("kvforge engine: %s, %d layers, KV %d blocks (%d tokens, %d bytes/token)",
                     self.model_config.architecture, self.model_config.num_hidden_layers,
                     self.runner.num_blocks, self.runner.num_blocks * config.block_size,
@@ -172,6 +174,7 @@ class LLMEngine:
         """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
+        self.num_preemptions_total += len(sched.preempted_request_ids)
         self.scheduler.update_from_output(sched, runner_out.sampled)
 
         now = time.monotonic()
@@ -239,7 +242,14 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int:
+        """Free KV capacity in blocks: truly free plus cached-but-unused (evictable) blocks."""
         return self.kv_manager.num_free_blocks
+
+    @property
+    def prefix_cache_stats(self):
+        """PrefixCacheStats (queries, query/hit tokens, hit_rate, evicted/cached blocks) or
+        None with --no-enable-prefix-caching."""
+        return self.kv_manager.prefix_cache_stats
 
     @property
     def model(self):

@@ -15,6 +15,7 @@ from kvforge.engine.request import Request
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
+from kvforge.quant.loading import load_model
 from kvforge.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,19 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = source.config
-        model_cls = get_model_class(self.model_config.architecture)
-        self.model = model_cls(self.model_config, attn_backend=config.attention_backend,
-                               dtype=self.dtype, device=self.device)
-        self.model.load_weights(source.iter_weights())
+        # builds the model class, swaps in quantized linear methods, loads (and calibrates)
+        self.model = load_model(source, quantization=config.quantization,
+                                quantization_args=config.quantization_args,
+                                attn_backend=config.attention_backend, dtype=self.dtype,
+                                device=self.device)
         self.model.eval()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # the attention backend picks the cache dtype (fp8 KV cache: 8-bit, else the model dtype)
+        cache_dtype = (self.model.kv_cache_dtype() if hasattr(self.model, "kv_cache_dtype")
+                       else self.dtype)
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 from kvforge.engine.request import Request
 from kvforge.kvcache.block_pool import BlockPool
+from kvforge.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
+from kvforge.kvcache.radix_tree import MatchResult
 
 
 class AllocatedSlots(NamedTuple):
@@ -37,12 +39,15 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """req_id -> block table; every reference count change goes through ``self.pool``."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
+        # radix-tree prefix cache (kvcache/prefix_cache.py); it holds one ref per cached block
+        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -51,7 +56,14 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Free capacity: blocks in the pool's free queue plus cached blocks no request uses
+        (the prefix cache evicts those on demand). All blocks when no request runs."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return self.pool.num_free_blocks + evictable
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.prefix_cache.stats if self.prefix_cache else None
 
     @property
     def usage(self) -> float:
@@ -68,15 +80,42 @@ class KVCacheManager:
         return list(self._block_tables)
 
     # ---- changes -------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> AllocatedSlots | None:
+    def match_prefix(self, request: Request) -> MatchResult | None:
+        """Longest cached prefix for a request about to be admitted (holding no blocks); None
+        with the cache off or when the request needs prompt logprobs (they need every row)."""
+        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
+            return None
+        return self.prefix_cache.match(request.all_token_ids)
+
+    def prefix_match_length(self, request: Request) -> int:
+        """Tokens ``match_prefix`` would give, changing nothing (0 with the cache off)."""
+        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        return self.prefix_cache.match_length(request.all_token_ids)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix: MatchResult | None = None) -> AllocatedSlots | None:
         """Make blocks exist, writable by this request, for positions
         [0, num_computed_tokens + num_new_tokens). None if the pool is short (nothing changed).
+
+        ``prefix`` (from ``match_prefix``, for a request holding no blocks) makes the matched
+        blocks the head of its table and the request's computed tokens start at
+        ``prefix.num_tokens``; the caller sets ``num_computed_tokens`` to that on success.
+        Cached blocks no request uses are evicted when the free queue alone is too short.
         """
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
         request_id = request.request_id
         table = self._block_tables.get(request_id, [])
         first_pos = request.num_computed_tokens
+        if prefix is not None:
+            if table or self.prefix_cache is None:
+                raise ValueError(f"a prefix match is only for admitting {request_id!r} with the "
+                                 f"prefix cache on and no blocks held")
+            self.prefix_cache.acquire(request_id, prefix)     # pins the blocks against eviction
+            self.pool.incref(prefix.block_ids)
+            table = list(prefix.block_ids)
+            first_pos = prefix.num_tokens
         end_pos = first_pos + num_new_tokens
         num_needed = cdiv(end_pos, self.block_size)
         num_missing = max(0, num_needed - len(table))
@@ -85,9 +124,14 @@ class KVCacheManager:
         shared_idx = [i for i in range(first_idx, min(len(table), num_needed))
                       if num_new_tokens > 0 and self.pool.ref_cnt(table[i]) > 1]
 
-        new_block_ids = self.pool.allocate(num_missing + len(shared_idx))
+        new_block_ids = self._allocate(num_missing + len(shared_idx))
         if new_block_ids is None:
+            if prefix is not None:                            # undo the acquire
+                self.prefix_cache.release(request_id)
+                self.pool.free(prefix.block_ids)
             return None
+        if prefix is not None:
+            self.prefix_cache.record_query(request.num_tokens, prefix.num_tokens)
         copies: list[tuple[int, int]] = []
         for i, dst in zip(shared_idx, new_block_ids):
             src = table[i]
@@ -101,6 +145,21 @@ class KVCacheManager:
             self._block_tables[request_id] = table
         return AllocatedSlots(new_block_ids, copies)
 
+    def _allocate(self, num_blocks: int) -> list[int] | None:
+        short = num_blocks - self.pool.num_free_blocks
+        if short > 0 and self.prefix_cache is not None:
+            if short > self.prefix_cache.num_evictable_blocks:
+                return None                                   # evict nothing in vain
+            self.prefix_cache.evict(short)
+        return self.pool.allocate(num_blocks)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's full computed blocks to the prefix cache (no-op when off)."""
+        table = self._block_tables.get(request.request_id)
+        if self.prefix_cache is not None and table:
+            self.prefix_cache.cache(request.request_id, request.all_token_ids, table,
+                                    request.num_computed_tokens)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all of the parent's blocks (each gains one reference)."""
         if parent_id not in self._block_tables:
@@ -110,6 +169,8 @@ class KVCacheManager:
         table = list(self._block_tables[parent_id])
         self.pool.incref(table)
         self._block_tables[child_id] = table
+        if self.prefix_cache is not None:
+            self.prefix_cache.fork(parent_id, child_id)
 
     def free(self, request_id: str) -> None:
         """Drop all the request's references; unknown ids are ignored (idempotent).
@@ -118,6 +179,8 @@ class KVCacheManager:
         a shared prefix, so it should be evicted first once a prefix cache revives free blocks.
         """
         table = self._block_tables.pop(request_id, None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request_id)
         if table:
             self.pool.free(reversed(table))
 
@@ -126,6 +189,9 @@ class KVCacheManager:
         to each block equal its ref_cnt."""
         self.pool.check_integrity()
         refs = Counter(b for table in self._block_tables.values() for b in table)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity(self._block_tables)
+            refs.update(self.prefix_cache.block_refs())
         for block_id, count in (extra_refs or {}).items():
             refs[block_id] += count
         for table_owner, table in self._block_tables.items():

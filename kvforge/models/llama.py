@@ -22,7 +22,7 @@ from torch import nn
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.layers.activation import GatedActivation
-from kvforge.layers.linear import Linear, MergedLinear
+from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 from kvforge.models.config import ModelConfig
@@ -31,7 +31,7 @@ from kvforge.models.config import ModelConfig
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # Families whose attention_bias covers q/k/v only (HF Llama's flag also biases o_proj)
-_QKV_ONLY_BIAS = {"Qwen2ForCausalLM", "qwen2"}
+_QKV_ONLY_BIAS = {"Qwen2ForCausalLM", "qwen2", "Qwen2MoeForCausalLM"}
 
 
 class LlamaAttention(nn.Module):
@@ -114,15 +114,24 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # the decoder stack; a family that differs only inside its layers (Mixtral's MoE) swaps it
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: ModelConfig, attn_backend: str = "paged",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.dtype = dtype
-        self.model = LlamaModel(config, attn_backend, dtype, device)
+        self.model = self.model_cls(config, attn_backend, dtype, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
                               device=device)
+        # tied: a plain LM head reads the embedding tensor itself (no second vocab x hidden copy);
+        # a quantized head would keep its own weights, loaded from the embedding
+        self._head_shares_embedding = (config.tie_word_embeddings and
+                                       isinstance(self.lm_head.method, UnquantizedLinearMethod))
+        if self._head_shares_embedding:
+            self.lm_head.weight = self.model.embed_tokens.weight
         # inference only: no autograd bookkeeping on any op
         self.requires_grad_(False)
 
@@ -147,9 +156,12 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size))
 
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.model.layers[0].self_attn.attn.cache_dtype(self.dtype)
+
     def kv_cache_bytes_per_token(self) -> int:
         per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, K and V
-        return per_layer * torch.empty((), dtype=self.dtype).element_size() * self.num_layers
+        return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
 
     # ------------------------------------------------------------------ weights
     def _expected_weights(self) -> set[str]:
@@ -175,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and tied:
                 continue            # some tied checkpoints store a copy; the embedding wins
             if name == "model.embed_tokens.weight" and tied:
-                self.lm_head.load_weight("weight", tensor)
+                if not self._head_shares_embedding:
+                    self.lm_head.load_weight("weight", tensor)
                 loaded.add("lm_head.weight")
             loaded.add(self._load_one(name, tensor))
         missing = self._expected_weights() - loaded

@@ -15,6 +15,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("kvforge.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kvforge.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kvforge.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("kvforge.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kvforge.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "GPT2LMHeadModel": ("kvforge.models.gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("kvforge.models.gpt_bigcode", "GPTBigCodeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kvforge.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     # GGUF general.architecture names
     "llama": ("kvforge.models.llama", "LlamaForCausalLM"),
     "mistral": ("kvforge.models.llama", "LlamaForCausalLM"),

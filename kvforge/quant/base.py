@@ -62,3 +62,12 @@ class QuantizationConfig(ABC):
 
     def calibrate(self, model, batches) -> None:  # pragma: no cover - only calibrating methods
         raise NotImplementedError(f"{self.name} needs no calibration")
+
+    def iter_weights(self, source):
+        """(HF name, weight) pairs to load; a method that reads a file's own quantized blocks
+        (GGUF) overrides this to yield ready-quantized objects instead of float tensors."""
+        return source.iter_weights()
+
+    def describe(self) -> dict[str, Any]:
+        """Constructor arguments that rebuild this config (saved with a quantized model)."""
+        return {}

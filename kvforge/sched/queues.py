@@ -5,7 +5,7 @@ import bisect
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvforge.engine.request import Request
 
@@ -69,6 +69,10 @@ class RequestQueue(ABC):
 
     def __bool__(self) -> bool:
         return len(self) > 0
+
+    def bind_prefix_matcher(self, match_length: Callable[[Request], int]) -> None:
+        """Cache-aware policies get ``match_length(request)`` = tokens of the request the prefix
+        cache already holds; the default ignores it."""
 
     def select_preemption_victim(self, running: Sequence[Request]) -> Request:
         """Default: the most recently admitted (last in the running list)."""
@@ -165,3 +169,7 @@ class PriorityRequestQueue(RequestQueue):
         index = max(range(len(running)),
                     key=lambda i: (running[i].priority, running[i].arrival_time, i))
         return running[index]
+
+
+# cache-aware policies live in their own modules and register themselves on import
+from kvforge.sched import lpm_queue as _lpm_queue  # noqa: E402,F401  ("lpm")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.kvcache.kv_manager import KVCacheManager, cdiv
+from kvforge.kvcache.prefix_cache import common_prefix_len
 from kvforge.sched.config import SchedulerConfig
 from kvforge.sched.output import SchedulerOutput
 from kvforge.sched.queues import create_request_queue
@@ -82,6 +83,7 @@ class Scheduler:
         self.config = config
         self.kv_manager = kv_manager
         self.waiting = create_request_queue(config.policy)
+        self.waiting.bind_prefix_matcher(kv_manager.prefix_match_length)
         self.running: list[Request] = []
         # every unfinished request, including n > 1 siblings not yet forked
         self.requests: dict[str, Request] = {}
@@ -241,11 +243,16 @@ class Scheduler:
             seq_slots = 1 + len(request.pending_forks)
             if seq_slots_used + seq_slots > self.config.max_num_seqs:
                 break
+            # prefix cache hit: the prefill starts after the matched blocks
+            prefix = self.kv_manager.match_prefix(request)
+            if prefix is not None and self._prefix_in_flight(request, prefix.num_tokens):
+                break                        # admit next step, sharing what is being computed
+            request.num_computed_tokens = prefix.num_tokens if prefix else 0
             num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
-            if num_tokens == 0:
-                break
-            slots = self.kv_manager.allocate_slots(request, num_tokens)
+            slots = (self.kv_manager.allocate_slots(request, num_tokens, prefix)
+                     if num_tokens > 0 else None)
             if slots is None:
+                request.num_computed_tokens = 0
                 break
             self.waiting.pop()
             self.running.append(request)
@@ -254,6 +261,20 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             seq_slots_used += seq_slots
             plan.add(request, num_tokens, slots.block_copies)
+
+    def _prefix_in_flight(self, request: Request, num_matched: int) -> bool:
+        """Whether a running request is prefilling at least one more full block of this
+        request's prefix than the cache holds: waiting a step then shares it instead of
+        computing it twice. Running requests always progress, so the wait is bounded."""
+        B = self.config.block_size
+        limit = (request.num_tokens - 1) // B * B         # the last token is always computed
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue                                   # decoding: its prompt is cached
+            shared = common_prefix_len(other.prompt_token_ids, request.all_token_ids)
+            if min(shared // B * B, limit) >= num_matched + B:
+                return True
+        return False
 
     def _fork_completed_prompts(self, plan: _StepPlan) -> None:
         """After all allocation (no preemption can follow), so a forking parent is sure to run
@@ -309,12 +330,15 @@ class Scheduler:
         got_tokens: list[Request] = []
         for request, tokens in advanced:
             request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            # newly computed full blocks become shareable by later (and waiting) requests
+            self.kv_manager.cache_computed_blocks(request)
             if tokens:
                 self._append_tokens(request, tokens, now)
                 got_tokens.append(request)
         for child, tokens in forked:
             # it shares the parent's prompt KV, computed in this step
             child.num_computed_tokens = child.num_tokens
+            self.kv_manager.cache_computed_blocks(child)
             self._append_tokens(child, tokens, now)
             got_tokens.append(child)
         return got_tokens

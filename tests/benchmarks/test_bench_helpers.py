@@ -255,3 +255,63 @@ def test_parse_engine_args():
         == {"max_num_seqs": 128, "kv_cache_memory": "2GiB", "enable_chunked_prefill": False}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_engine_args(["oops"])
+
+
+# --- the scripts end to end, with fake systems (checks the report, not any speed) ---------------
+class SleepySystem:
+    """Produces every target token; sleeps a little per token so timings are positive."""
+
+    def __init__(self, name, seconds_per_token):
+        self.name, self.seconds_per_token, self.batch_size = name, seconds_per_token, 1
+
+    def generate(self, requests):
+        import time
+        time.sleep(self.seconds_per_token * sum(r.output_len for r in requests))
+        return [r.output_len for r in requests]
+
+
+def fake_config():
+    from types import SimpleNamespace
+    s = tiny_shape()
+    return SimpleNamespace(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                           vocab_size=s.vocab_size, num_hidden_layers=s.num_layers,
+                           num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+                           head_dim=s.head_dim)
+
+
+@pytest.fixture
+def fake_systems(monkeypatch):
+    import benchmarks.latency as latency
+    import benchmarks.throughput as throughput
+    kv, hf = SleepySystem("kvforge", 1e-4), SleepySystem("HF transformers", 4e-4)
+    for mod in (throughput, latency):
+        monkeypatch.setattr(mod, "build_systems", lambda args, hf_batch_size=16: (kv, hf, word_ids))
+        monkeypatch.setattr(mod, "model_config_of", lambda kv, hf: fake_config())
+    monkeypatch.setattr(throughput, "measure_gemm_peak_flops", lambda: 1e9)
+    monkeypatch.setattr(throughput, "sample_sharegpt_requests",
+                        lambda encode, n, **kw: synthetic_requests([1, 2, 3], n, 5, 20))
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda num_bytes: 1e9)
+    return throughput, latency
+
+
+def test_throughput_script_reports_ratio_and_summary(fake_systems, tmp_path, capsys):
+    throughput, _ = fake_systems
+    out_json = tmp_path / "t.json"
+    payload = throughput.main(["--num-prompts", "4", "--decode-batch", "2", "--decode-output-len", "8",
+                               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    summary = [line for line in text.splitlines() if line.startswith("SUMMARY throughput:")]
+    assert len(summary) == 1 and "kvforge" in summary[0] and "vs HF" in summary[0]
+    assert [r["output_tokens"] for r in payload["results"]] == [80, 80]
+    assert len(payload["decode_heavy"]) == 2
+    assert json.loads(out_json.read_text())["summary"] == payload["summary"]
+
+
+def test_latency_script_reports_bound(fake_systems, capsys):
+    _, latency = fake_systems
+    payload = latency.main(["--prompt-len", "4", "--output-len", "8", "--reps", "1"])
+    text = capsys.readouterr().out
+    assert text.count("SUMMARY latency:") == 1 and "of bound" in text
+    s = tiny_shape()
+    assert payload["bound_ms_per_token"] == pytest.approx(s.decode_bytes_per_token(4 + 4) / 1e9 * 1e3)
+    assert [r["system"] for r in payload["results"]] == ["kvforge", "HF transformers"]

@@ -16,12 +16,22 @@ def build_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
     import transformers as tf
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+               "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+               "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+               "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
+               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}
     if kind not in classes:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     cfg_cls, model_cls = classes[kind]
     torch.manual_seed(seed)
-    config = cfg_cls(**{**TINY_BASE, **overrides})
+    base = dict(TINY_BASE)
+    if kind in ("gpt2", "gpt_bigcode"):
+        # GPT-2 style configs have no such keys (MLP width is n_inner, K/V heads are implied);
+        # left in, config.json would carry values the HF model ignores
+        del base["intermediate_size"], base["num_key_value_heads"]
+    config = cfg_cls(**{**base, **overrides})
     model = model_cls(config).eval()
     # small shards so the sharded safetensors path (index json) is exercised
     model.save_pretrained(out_dir, max_shard_size="2MB")

@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.models.config import ModelConfig
+from kvforge.layers.linear import MergedLinear
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.registry import get_model_class, supported_architectures
 
@@ -112,14 +113,38 @@ def test_chunked_prefill_then_decode_matches_hf(case):
     torch.testing.assert_close(out, ref0[:6], atol=1e-4, rtol=1e-4)
     out = run_step(ours, caches, [seq0[6:10]], [6], [0])                     # chunk 2, context 6
     torch.testing.assert_close(out, ref0[6:10], atol=1e-4, rtol=1e-4)
-    out = run_step(ours, caches, [[seq0[10]], seq1[:5]], [10, 0], [0, 1])    # decode + prefill
+    out = run_step(ours, caches, [[seq0[10]]], [10], [0])                    # lone decode
     torch.testing.assert_close(out[0], ref0[10], atol=1e-4, rtol=1e-4)
+    out = run_step(ours, caches, [[seq0[11]], seq1[:5]], [11, 0], [0, 1])    # decode + prefill
+    torch.testing.assert_close(out[0], ref0[11], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[1:], ref1[:5], atol=1e-4, rtol=1e-4)
-    for step in range(3):                                                    # two decodes
-        pos0, pos1 = 11 + step, 5 + step
+    for step in range(2):                                                    # two decodes
+        pos0, pos1 = 12 + step, 5 + step
         out = run_step(ours, caches, [[seq0[pos0]], [seq1[pos1]]], [pos0, pos1], [0, 1])
         torch.testing.assert_close(out[0], ref0[pos0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out[1], ref1[pos1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+def test_linear_every_batch_path_matches_float64_reference(rows):
+    # the plain method uses a different GEMM form for M = 1, 2..8 and > 8 rows
+    torch.manual_seed(rows)
+    layer = MergedLinear(24, [10, 6], bias=True)
+    w, b = torch.randn(16, 24), torch.randn(16)
+    layer.load_shard(0, "weight", w[:10]); layer.load_shard(1, "weight", w[10:])
+    layer.load_shard(0, "bias", b[:10]); layer.load_shard(1, "bias", b[10:])
+    x = torch.randn(rows, 24)
+    y = layer(x)
+    assert y.shape == (rows, 16) and y.is_contiguous()
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_tied_head_shares_the_embedding_tensor():
+    _, tied = make_pair("llama", tie_word_embeddings=True)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    _, untied = make_pair("llama")
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
 def test_fused_weights_and_cache_geometry():

@@ -55,7 +55,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.num_computed_tokens + n <= r.num_tokens
             assert len(out.block_ids[r.request_id]) >= cdiv(r.num_computed_tokens + n, BLOCK)
             if not config.enable_chunked_prefill and n > 1:
-                assert r.num_computed_tokens == 0 and n == r.num_tokens
+                # the whole rest at once; it starts at 0 unless a prefix-cache hit skipped some
+                assert r.num_computed_tokens + n == r.num_tokens
+                assert r.num_computed_tokens == 0 or sched.kv_manager.prefix_cache is not None
         sched.check_integrity()
         sampled = {r.request_id: [token] for r in out.scheduled
                    if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}

@@ -1,0 +1,1 @@
+"""Model quality evaluation (perplexity over a fixed corpus)."""

@@ -1,0 +1,163 @@
+"""Weight-only INT4, group-wise asymmetric, round-to-nearest (``--quantization int4``).
+
+Storage per layer (see packing.py for the number format):
+    qweight        kernel-packed codes [N, Kp/2] uint8   (4 bits per weight)
+    scales_zeros   [Kp/G, N, 2] bf16: (step, value of code 8) per row per group
+Forward: ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations; the matrix is never
+dequantized. Shards (q|k|v, gate|up) are quantized as they arrive -- groups run along the input
+dimension, so a row's codes do not depend on the other rows -- and the layer is packed for the
+kernel as soon as its last row is loaded, so loading never holds a float copy of the model.
+Besides float tensors, ``load_weight`` accepts ``Int4Blocks`` (codes already chosen: a reload of
+a saved model, or GGUF Q4_0/Q4_1 blocks), which are stored as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.layers.linear import LinearMethod
+from kvforge.quant import packing
+from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.int8 import Int8LinearMethod, lm_head_method
+
+
+@dataclass
+class Int4Blocks:
+    """Rows of an INT4 weight whose codes are already chosen (portable form, see packing.py).
+
+    codes [n, Kp] uint8 0..15, scale / zero [n, Kp/G]; ``shape`` is the logical (n, K), so the
+    model's loader can check it like a tensor's."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.in_features)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+
+class Int4LinearMethod(LinearMethod):
+    def __init__(self, group_size: int = 64) -> None:
+        if group_size not in packing.INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {packing.INT4_GROUP_SIZES}, "
+                             f"got {group_size!r}")
+        self.group_size = group_size
+
+    # ------------------------------------------------------------------ loading
+    def create_weights(self, layer, dtype, device):
+        if torch.device(device).type not in ("cpu", "meta"):
+            raise ValueError(f"int4 weights run on PyTorch's CPU kernel; device {device!r} "
+                             f"is not supported")
+        k, n = layer.input_size, layer.output_size
+        layer.padded_input_size = packing.padded_in_features(k, self.group_size)
+        groups = layer.padded_input_size // self.group_size
+        # staging for codes until every row is loaded, then replaced by the packed form
+        layer._int4_codes = torch.zeros(n, layer.padded_input_size, dtype=torch.uint8, device=device)
+        layer._int4_scale = torch.zeros(n, groups, dtype=packing.SCALE_DTYPE, device=device)
+        layer._int4_zero = torch.zeros(n, groups, dtype=packing.SCALE_DTYPE, device=device)
+        layer._int4_rows_loaded = 0
+        layer.out_dtype = dtype
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
+
+    def load_weight(self, layer, kind, loaded, output_offset):
+        n = loaded.shape[0]
+        rows = slice(output_offset, output_offset + n)
+        if kind == "bias":
+            if not layer.has_bias:
+                raise ValueError("got a bias for a linear layer created without bias")
+            layer.bias[rows].copy_(loaded)
+            return
+        if kind != "weight":
+            raise ValueError(f"unknown linear parameter kind {kind!r}; expected 'weight' or 'bias'")
+        if not hasattr(layer, "_int4_codes"):
+            raise ValueError("int4 layer already finalized; its weights were loaded twice")
+        if loaded.shape[1] != layer.input_size:
+            raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
+                             f"with input_size {layer.input_size}")
+        blocks = self.to_blocks(loaded)
+        if blocks.group_size != self.group_size or blocks.codes.shape[1] != layer.padded_input_size:
+            raise ValueError(f"int4 blocks with group {blocks.group_size} do not fit a layer "
+                             f"quantized with group {self.group_size}")
+        layer._int4_codes[rows] = blocks.codes
+        layer._int4_scale[rows] = blocks.scale.to(packing.SCALE_DTYPE)
+        layer._int4_zero[rows] = blocks.zero.to(packing.SCALE_DTYPE)
+        layer._int4_rows_loaded += n
+        if layer._int4_rows_loaded == layer.output_size:
+            self._finalize(layer)
+
+    def to_blocks(self, loaded) -> Int4Blocks:
+        """A float weight slice or ready blocks -> ``Int4Blocks`` (subclasses add formats)."""
+        if isinstance(loaded, Int4Blocks):
+            return loaded
+        codes, scale, zero = packing.quantize_int4_groupwise(loaded, self.group_size)
+        return Int4Blocks(codes, scale, zero, loaded.shape[1])
+
+    def _finalize(self, layer) -> None:
+        layer.qweight = nn.Parameter(packing.pack_int4_kernel(layer._int4_codes), requires_grad=False)
+        # kernel wants [groups, N, 2]: (scale, zero) for group g of output row n
+        layer.scales_zeros = nn.Parameter(
+            torch.stack([layer._int4_scale.t(), layer._int4_zero.t()], dim=-1).contiguous(),
+            requires_grad=False)
+        del layer._int4_codes, layer._int4_scale, layer._int4_zero
+
+    def process_weights_after_loading(self, layer):
+        if hasattr(layer, "_int4_codes"):
+            raise ValueError(f"int4 layer got {layer._int4_rows_loaded} of {layer.output_size} "
+                             f"weight rows")
+
+    # ------------------------------------------------------------------ forward
+    def apply(self, layer, x):
+        x2d = x.reshape(-1, layer.input_size).to(torch.bfloat16)
+        if layer.padded_input_size != layer.input_size:
+            x2d = F.pad(x2d, (0, layer.padded_input_size - layer.input_size))
+        y = torch._weight_int4pack_mm_for_cpu(x2d, layer.qweight, self.group_size,
+                                              layer.scales_zeros).to(x.dtype)
+        if layer.has_bias:
+            y += layer.bias
+        return y.view(*x.shape[:-1], layer.output_size)
+
+    # ------------------------------------------------------------------ export
+    def export_blocks(self, layer) -> Int4Blocks:
+        """The layer's codes in portable form (for saving and for reference checks)."""
+        codes = packing.unpack_int4_kernel(layer.qweight, layer.output_size, layer.padded_input_size)
+        sz = layer.scales_zeros
+        return Int4Blocks(codes, sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous(),
+                          layer.input_size)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        b = self.export_blocks(layer)
+        return packing.dequantize_int4(b.codes, b.scale, b.zero, layer.input_size)
+
+
+@register_quantization("int4")
+class Int4Config(QuantizationConfig):
+    """``group_size`` in 32/64/128; ``lm_head``: "int8" (default; an int4 head costs quality
+    for little speed) or "none" (keep it float)."""
+
+    def __init__(self, group_size: int = 64, lm_head: str = "int8") -> None:
+        if group_size not in packing.INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {packing.INT4_GROUP_SIZES}, "
+                             f"got {group_size!r}")
+        self.group_size = group_size
+        self.lm_head = lm_head
+        lm_head_method(lm_head, "lm_head")   # validates the choice
+
+    def get_linear_method(self, prefix: str) -> LinearMethod | None:
+        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+            return lm_head_method(self.lm_head, prefix)
+        return Int4LinearMethod(self.group_size)
+
+    def describe(self) -> dict:
+        return {"group_size": self.group_size, "lm_head": self.lm_head}
+
+
+__all__ = ["Int4Blocks", "Int4LinearMethod", "Int4Config", "Int8LinearMethod"]

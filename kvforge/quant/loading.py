@@ -1,0 +1,86 @@
+"""Build a model with its quantization: choose the config, swap linear methods, load, calibrate.
+
+    EngineConfig.quantization ("none" | int8 | int4 | gguf | ...)  ─┐
+    or a saved quantized directory (kvforge_quantization.json) ─────┴─► QuantizationConfig
+    model = ModelClass(config)                 float layers (torch.empty: pages never touched)
+    apply_quantization(model, qc)              every Linear asks qc.get_linear_method(prefix)
+    model.load_weights(weights)                shards quantize as they arrive
+    qc.calibrate(model, batches)               only methods that need activation statistics
+
+The swap happens after construction, so model families need no quantization code of their own.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvforge.layers.linear import Linear
+from kvforge.loader.source import ModelSource
+from kvforge.models.registry import get_model_class
+from kvforge.quant.base import QuantizationConfig, get_quantization_config
+from kvforge.quant.serialize import iter_saved_weights, read_saved_quantization
+
+logger = logging.getLogger(__name__)
+
+
+def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig) -> int:
+    """Give every Linear of ``model`` the method ``quant_config`` picks for its name (None keeps
+    it float); must run before weights are loaded. Returns the number of layers swapped."""
+    swapped = 0
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, Linear):
+            continue
+        method = quant_config.get_linear_method(prefix)
+        if method is None:
+            continue
+        dtype = layer.weight_t.dtype if hasattr(layer, "weight_t") else torch.float32
+        device = layer.weight_t.device if hasattr(layer, "weight_t") else torch.device("cpu")
+        for name in ("weight_t", "bias"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+        layer.method = method
+        method.create_weights(layer, dtype, device)
+        swapped += 1
+    return swapped
+
+
+def resolve_quant_config(name: str, args: dict | None, source: ModelSource
+                         ) -> tuple[QuantizationConfig | None, bool]:
+    """-> (config, whether the source is a saved quantized model)."""
+    saved = read_saved_quantization(source.path) if source.format == "hf" else None
+    if saved is not None:
+        saved_name, saved_args = saved
+        if name not in (None, "", "none", saved_name):
+            raise ValueError(f"{source.path!r} is already quantized with {saved_name!r}; "
+                             f"cannot apply --quantization {name!r} on top")
+        return get_quantization_config(saved_name, **saved_args), True
+    return get_quantization_config(name, **(args or {})), False
+
+
+def load_model(source: ModelSource, *, quantization: str = "none",
+               quantization_args: dict | None = None, attn_backend: str = "paged",
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+               ) -> torch.nn.Module:
+    model_cls = get_model_class(source.config.architecture)
+    model = model_cls(source.config, attn_backend=attn_backend, dtype=dtype, device=device)
+    quant_config, saved = resolve_quant_config(quantization, quantization_args, source)
+    model.quant_config = quant_config
+    if quant_config is None:
+        model.load_weights(source.iter_weights())
+        return model
+    n = apply_quantization(model, quant_config)
+    logger.info("quantization %s: %d linear layers", quant_config.name, n)
+    model.load_weights(iter_saved_weights(source.path) if saved else quant_config.iter_weights(source))
+    if quant_config.needs_calibration:
+        from kvforge.quant.calibration import calibration_token_batches
+        quant_config.calibrate(model, calibration_token_batches(source.load_tokenizer().encode))
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter (quantized codes, scales, float norms and embeddings)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+__all__ = ["apply_quantization", "resolve_quant_config", "load_model", "weight_bytes"]

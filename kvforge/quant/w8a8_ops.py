@@ -1,0 +1,51 @@
+"""INT8 x INT8 building blocks shared by the W8A8 methods (LLM.int8(), SmoothQuant).
+
+Symmetric quantization, zero point 0, range [-127, 127] (-128 is never produced, so negating a
+quantized value never overflows):
+
+    weight  W [out, in]  -> Wq [in, out] int8 (stored transposed, like the fp ``weight_t``),
+                            w_scale [out] = max_i |W[o, i]| / 127        (per output channel)
+    act     x [T, in]    -> xq [T, in] int8, x_scale [T] = max_i |x[t, i]| / 127  (per token,
+                            computed at run time: "dynamic")
+
+    y[t, o] = sum_i x[t, i] W[o, i]  ~=  x_scale[t] * w_scale[o] * sum_i xq[t, i] Wq[i, o]
+                                                                  \\_ torch._int_mm, int32 acc _/
+
+``torch._int_mm`` on CPU (torch >= 2.4) takes any [M, K] x [K, N] int8 pair and accumulates in
+int32 (checked for odd shapes such as 5x7x3 in tests/quant/test_w8a8_ops.py), so no padding is
+needed. An int32 accumulator cannot overflow here: |acc| <= K * 127 * 127, < 2^31 for K < 133k.
+"""
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] float -> (Wq_t [in, out] int8 contiguous, w_scale [out] float32)."""
+    w = weight.float()
+    w_scale = w.abs().amax(dim=1).clamp_min(1e-12) / INT8_MAX
+    wq = torch.round(w / w_scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return wq.t().contiguous(), w_scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] float -> (xq [T, in] int8, x_scale [T] float32). All-zero rows get scale 1e-12
+    and quantize to zeros (never a division by zero)."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1).clamp_min(1e-12) / INT8_MAX
+    xq = torch.round(xf / x_scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq, x_scale
+
+
+def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq_t: torch.Tensor,
+                w_scale: torch.Tensor) -> torch.Tensor:
+    """(xq [T, in] int8, x_scale [T]) x (Wq_t [in, out] int8, w_scale [out]) -> fp32 [T, out]."""
+    acc = torch._int_mm(xq, wq_t)                       # int32 [T, out]
+    return acc.float().mul_(x_scale[:, None]).mul_(w_scale[None, :])
+
+
+def dequantize_weight(wq_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The float weight W [out, in] the int8 storage stands for (tests and outlier columns)."""
+    return wq_t.t().float() * w_scale[:, None]

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP API on FastAPI.
+
+    POST /v1/completions         prompt: str | [str] | [int] | [[int]]; stream as SSE
+    POST /v1/chat/completions    messages -> chat template -> token ids; stream as SSE
+    GET  /v1/models  /health  /metrics      POST /tokenize  /detokenize
+
+One HTTP request becomes one engine request per prompt (each with the request's n samples).
+Choice index = prompt_index * n + sample_index, as in the OpenAI API. Everything the client can
+get wrong is a 4xx with the OpenAI error body (errors.py); the engine is never left holding a
+request nobody reads: a stream that ends early (client gone) aborts its engine request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvforge.engine.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+from kvforge.server import responses
+from kvforge.server.errors import OpenAIError, error_response, install_error_handlers
+from kvforge.server.metrics import ServerMetrics
+from kvforge.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest)
+
+_OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int = 512     # admitted requests without a first token; more -> 429
+    max_n: int = 16                     # largest n one request may ask for
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics or ServerMetrics(config.served_model_name)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.num_unstarted = 0          # admitted, no output yet (the server's view of the queue)
+        self._token_text_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                                   f"{self.config.served_model_name!r}", param="model",
+                              code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.n > self.config.max_n:
+            raise OpenAIError(400, f"n = {body.n} is more than this server allows "
+                                   f"({self.config.max_n})", param="n", code="invalid_value")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), code="invalid_value") from e
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str
+                    ) -> list[AsyncIterator[RequestOutput]]:
+        """Admit and queue one engine request per prompt; all or nothing."""
+        if self.num_unstarted + len(prompts) > self.config.max_waiting_requests:
+            self.metrics.on_rejected()
+            raise OpenAIError(429, f"the server is busy: {self.num_unstarted} requests are "
+                                   f"waiting (limit {self.config.max_waiting_requests}); retry later",
+                              code="queue_full")
+        arrival = time.monotonic()
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        streams, ids = [], []
+        try:
+            for i, ids_ in enumerate(prompts):
+                rid = f"{base}-{i}"
+                streams.append(await self.engine.add_request(rid, ids_, params,
+                                                             arrival_time=arrival))
+                ids.append(rid)
+        except ValueError as e:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise OpenAIError(400, str(e), param="prompt" if "prompt" in str(e) else None,
+                              code="invalid_value") from e
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e)) from e
+        return streams
+
+    async def merge(self, streams: list[AsyncIterator[RequestOutput]], n_params: SamplingParams,
+                    prompt_lens: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they come; closing it aborts the rest."""
+        out_q: asyncio.Queue = asyncio.Queue()
+        self.num_unstarted += len(streams)
+        started = [False] * len(streams)
+
+        async def pump(i: int, stream) -> None:
+            finished = False
+            try:
+                async for out in stream:
+                    if not started[i]:
+                        started[i] = True
+                        self.num_unstarted -= 1
+                    await out_q.put((i, out))
+                    if out.finished:
+                        finished = True
+                        self._record(out, prompt_lens[i])
+            except BaseException as e:      # noqa: BLE001 - forwarded to the reader
+                await out_q.put((i, e))
+                raise
+            finally:
+                if not finished:                # the client went away: the stream aborted it
+                    self.metrics.on_aborted(n_params.n)
+                if not started[i]:
+                    started[i] = True
+                    self.num_unstarted -= 1
+                await out_q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            done = 0
+            while done < len(tasks):
+                i, item = await out_q.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    if isinstance(item, EngineDeadError):
+                        raise OpenAIError(503, str(item)) from item
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _record(self, out: RequestOutput, prompt_len: int) -> None:
+        m = out.metrics
+        self.metrics.on_request_done(
+            finish_reasons=[c.finish_reason for c in out.outputs], prompt_tokens=prompt_len,
+            output_tokens=sum(len(c.token_ids) for c in out.outputs),
+            arrival=m.arrival_time, first_token=m.first_token_time,
+            first_scheduled=m.first_scheduled_time, end=m.finished_time or time.monotonic())
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, body: CompletionRequest):
+        self.check_model(body.model)
+        try:
+            raw_prompts = body.prompts()
+            prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                          for p in raw_prompts]
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prompt", code="invalid_value") from e
+        params = self._params(body, body.max_tokens, body.logprobs)
+        echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
+                      for p in raw_prompts]
+        streams = await self.start(prompt_ids, params, "cmpl")
+        job = _Job(self, "cmpl", body, params, prompt_ids, echo_texts)
+        if body.stream:
+            return _sse(job.stream_completion(streams))
+        return JSONResponse(await job.full_completion(streams))
+
+    async def chat(self, body: ChatCompletionRequest):
+        self.check_model(body.model)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+            logprobs = body.num_logprobs()
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
+        params = self._params(body, body.max_completion_tokens or body.max_tokens, logprobs)
+        streams = await self.start([ids], params, "chatcmpl")
+        job = _Job(self, "chatcmpl", body, params, [ids], [""])
+        if body.stream:
+            return _sse(job.stream_chat(streams))
+        return JSONResponse(await job.full_chat(streams))
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Job:
+    """One HTTP generation request: its prompts, choices and the response it builds."""
+
+    def __init__(self, serving: OpenAIServing, prefix: str, body, params: SamplingParams,
+                 prompt_ids: list[list[int]], echo_texts: list[str]) -> None:
+        self.s = serving
+        self.body = body
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.echo_texts = echo_texts
+        self.n = params.n
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = serving.config.served_model_name
+        self.num_prompt_tokens = sum(len(p) for p in prompt_ids)
+        self.completion_tokens: dict[int, int] = {}     # choice index -> tokens so far
+        self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
+        self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
+
+    def _merge(self, streams):
+        return self.s.merge(streams, self.params, [len(p) for p in self.prompt_ids])
+
+    def _usage(self) -> dict:
+        return responses.usage(self.num_prompt_tokens, sum(self.completion_tokens.values()))
+
+    def _new_logprobs(self, idx: int, co, chat: bool):
+        if self.params.logprobs is None or co.logprobs is None:
+            return None
+        start = self.sent_tokens.get(idx, 0)
+        ids, entries = co.token_ids[start:], co.logprobs[start:]
+        self.sent_tokens[idx] = start + len(ids)
+        k = self.params.logprobs
+        if chat:
+            return responses.chat_logprobs(ids, entries, k, self.s.token_text)
+        off = self.text_len.get(idx, 0)
+        lp = responses.completion_logprobs(ids, entries, k, self.s.token_text, off)
+        self.text_len[idx] = off + sum(len(t) for t in lp["tokens"])
+        return lp
+
+    # ---- completions
+    async def full_completion(self, streams) -> dict:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self._merge(streams):
+            if out.finished:
+                finals[i] = out
+        choices = []
+        for i in range(len(self.prompt_ids)):
+            for co in finals[i].outputs:
+                idx = i * self.n + co.index
+                self.completion_tokens[idx] = len(co.token_ids)
+                self.text_len[idx] = len(self.echo_texts[i])
+                choices.append({"index": idx, "text": self.echo_texts[i] + co.text,
+                                "logprobs": self._new_logprobs(idx, co, chat=False),
+                                "finish_reason": co.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self._usage()}
+
+    def _chunk(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    async def stream_completion(self, streams) -> AsyncIterator[dict]:
+        if self.body.echo:
+            for i, text in enumerate(self.echo_texts):
+                for j in range(self.n):
+                    self.text_len[i * self.n + j] = len(text)
+                    yield self._chunk("text_completion", [
+                        {"index": i * self.n + j, "text": text, "logprobs": None,
+                         "finish_reason": None}])
+        async for i, out in self._merge(streams):
+            for co, delta in zip(out.outputs, out.deltas):
+                idx = i * self.n + co.index
+                self.completion_tokens[idx] = len(co.token_ids)
+                if not delta and not co.finished:
+                    continue
+                yield self._chunk("text_completion", [
+                    {"index": idx, "text": delta,
+                     "logprobs": self._new_logprobs(idx, co, chat=False),
+                     "finish_reason": co.finish_reason}])
+        if self.body.include_usage:
+            chunk = self._chunk("text_completion", [])
+            chunk["usage"] = self._usage()
+            yield chunk
+
+    # ---- chat
+    async def full_chat(self, streams) -> dict:
+        final = None
+        async for _, out in self._merge(streams):
+            if out.finished:
+                final = out
+        choices = []
+        for co in final.outputs:
+            self.completion_tokens[co.index] = len(co.token_ids)
+            choices.append({"index": co.index,
+                            "message": {"role": "assistant", "content": co.text},
+                            "logprobs": self._new_logprobs(co.index, co, chat=True),
+                            "finish_reason": co.finish_reason})
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self._usage()}
+
+    async def stream_chat(self, streams) -> AsyncIterator[dict]:
+        for j in range(self.n):
+            yield self._chunk("chat.completion.chunk", [
+                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}])
+        async for _, out in self._merge(streams):
+            for co, delta in zip(out.outputs, out.deltas):
+                self.completion_tokens[co.index] = len(co.token_ids)
+                if not delta and not co.finished:
+                    continue
+                yield self._chunk("chat.completion.chunk", [
+                    {"index": co.index, "delta": {"content": delta} if delta else {},
+                     "logprobs": self._new_logprobs(co.index, co, chat=True),
+                     "finish_reason": co.finish_reason}])
+        if self.body.include_usage:
+            chunk = self._chunk("chat.completion.chunk", [])
+            chunk["usage"] = self._usage()
+            yield chunk
+
+
+def create_app(engine: AsyncLLMEngine, config: ServerConfig,
+               metrics: ServerMetrics | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()           # uvicorn has drained (or cancelled) the in-flight requests
+
+    app = FastAPI(title="kvforge", lifespan=lifespan)
+    app.state.serving = serving
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if config.api_key and request.url.path not in _OPEN_PATHS:
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {config.api_key}":
+                return error_response(OpenAIError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            raise OpenAIError(503, "the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(serving.metrics.render(), media_type=serving.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvforge", "max_model_len": serving.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await serving.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        return await serving.chat(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        tok = serving.tokenizer
+        try:
+            if body.messages is not None:
+                ids = tok.apply_chat_template([m.model_dump(include={"role", "content"})
+                                               | {"content": m.text()} for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt)
+            elif body.prompt is not None:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                raise ValueError("give either prompt or messages")
+        except ValueError as e:
+            raise OpenAIError(400, str(e), code="invalid_value") from e
+        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                              param="tokens", code="invalid_value")
+        return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app

@@ -1,0 +1,47 @@
+"""Response pieces in the OpenAI shapes: logprobs (completions and chat formats), usage."""
+from __future__ import annotations
+
+from typing import Callable
+
+TokenText = Callable[[int], str]
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # the engine gives {sampled: lp, top-1: lp, ...}; the k most likely are the top k by value
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
+                        token_text: TokenText, text_offset: int) -> dict:
+    """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for generated tokens."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry.get(tid))
+        top = {token_text(t): lp for t, lp in _top(entry, k)}
+        top.setdefault(text, entry.get(tid))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
+                  token_text: TokenText) -> dict:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        content.append({
+            "token": text, "logprob": entry.get(tid), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                              "bytes": list(token_text(t).encode("utf-8"))}
+                             for t, lp in _top(entry, k)]})
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

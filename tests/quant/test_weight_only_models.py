@@ -1,0 +1,87 @@
+"""Weight-only quantized models end to end: GGUF Q4_1 blocks kept quantized on the default
+model, and save / reload of an INT4 model without requantizing."""
+import pytest
+import torch
+
+from kvforge import LLM
+from kvforge.eval.perplexity import window_nll
+from kvforge.loader.source import load_model_source
+from kvforge.quant.int4 import Int4LinearMethod
+from kvforge.quant.loading import load_model
+from kvforge.quant.serialize import QUANT_FILE, read_saved_quantization, save_quantized
+from kvforge.sampling_params import SamplingParams
+
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1780, 253, 1115, 314, 253, 7089, 30]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _greedy(llm):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks, "leaked KV blocks"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@torch.inference_mode()
+def _logits(model, ids):
+    from kvforge.attention.metadata import AttentionMetadata
+    meta = AttentionMetadata.build([len(ids)], [0], [list(range(-(-len(ids) // 16)))], 16, "cpu")
+    caches = [torch.zeros(model.kv_cache_shape(-(-len(ids) // 16), 16))
+              for _ in range(model.num_layers)]
+    return model.compute_logits(model(torch.tensor(ids), meta.positions(), caches, meta))
+
+
+@pytest.mark.slow
+def test_gguf_q4_1_kept_quantized_matches_dequantized_fp32(default_model_path):
+    source = load_model_source(default_model_path)
+    fp32 = load_model(source)
+    kept = load_model(source, quantization="gguf", quantization_args={"lm_head": "none"})
+    layer = kept.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer.method, Int4LinearMethod) and not hasattr(layer, "weight_t")
+    assert layer.qweight.dtype == torch.uint8             # 4 bits per weight, no float copy
+    for ids in PROMPTS:
+        a, b = _logits(kept, ids), _logits(fp32, ids)
+        # bf16 activations / scales of the kernel: a few tenths of a logit at most
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    del fp32, kept
+    kw = dict(kv_cache_memory="32MiB", max_model_len=256)
+    assert _greedy(LLM(default_model_path, quantization="gguf", **kw)) == \
+        _greedy(LLM(default_model_path, **kw))
+
+
+def test_int4_save_reload_gives_identical_outputs(tiny_model_factory, tmp_path):
+    hf_dir, _ = tiny_model_factory("llama")
+    args = {"group_size": 32}
+    source = load_model_source(hf_dir)
+    model = load_model(source, quantization="int4", quantization_args=args)
+    out = save_quantized(model, source, str(tmp_path / "q"))
+    assert read_saved_quantization(out) == ("int4", {"group_size": 32, "lm_head": "int8"})
+    reloaded = load_model(load_model_source(out))
+    assert reloaded.quant_config.name == "int4"
+    for (name, a), (_, b) in zip(model.named_parameters(), reloaded.named_parameters()):
+        assert torch.equal(a, b), name
+    ids = PROMPTS[1]
+    assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
+    kw = dict(kv_cache_memory="8MiB")
+    assert _greedy(LLM(out, **kw)) == _greedy(LLM(hf_dir, quantization="int4",
+                                                  quantization_args=args, **kw))
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(load_model_source(out), quantization="int8")
+    assert (tmp_path / "q" / QUANT_FILE).is_file()
+
+
+def test_int8_model_close_to_fp32_on_tiny_llama(tiny_model_factory):
+    hf_dir, _ = tiny_model_factory("llama")
+    source = load_model_source(hf_dir)
+    fp32, int8 = load_model(source), load_model(source, quantization="int8")
+    ids = list(range(5, 69))
+    nll32, n = window_nll(fp32, ids)
+    nll8, _ = window_nll(int8, ids)
+    assert abs(nll8 - nll32) / nll32 < 0.01
+
+
+def test_unknown_quantization_is_a_clear_error():
+    from kvforge.config import EngineConfig
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        EngineConfig(quantization="int3")
