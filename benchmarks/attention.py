@@ -148,8 +148,8 @@ def main(argv=None) -> dict:
 
     tile_bytes = 9 * TiledAttentionBackend.q_tile * TiledAttentionBackend.kv_tile_tokens * 4
     print(f"\nOne layer's full prefill, 9:3 heads x 64 dims fp32, block 16, {args.threads} threads "
-          f"(largest scores tensor: dense 9 x L x L x 4 B per layer call -> per head L x L; "
-          f"tiled {tile_bytes / 2**20:.1f} MiB whatever L)")
+          f"(dense materialises an L x L score matrix per head; tiled's largest score tile is "
+          f"{tile_bytes / 2**20:.1f} MiB at any L)")
     prefill_rows, ratios = [], {}
     for length in args.contexts:
         t = prefill_seconds(length, args.reps, args.skip_dense_above)

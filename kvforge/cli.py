@@ -22,6 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes shared across requests (radix tree)")
     g.add_argument("--scheduling-policy", default="fcfs")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="store paged K/V in 8 bits (4x the tokens of fp32 per byte)")
@@ -29,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight quantization: none, int8, int4, gguf, awq, ... (kvforge.quant)")
     g.add_argument("--quantization-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="option of the quantization method, e.g. group_size=128 (repeatable)")
+    g.add_argument("--sparse-attention", default="none", choices=["none", "quest"],
+                   help="quest: decode reads only the KV blocks with the top QUEST bounds")
+    g.add_argument("--sparse-token-budget", type=int, default=2048,
+                   help="QUEST: tokens each decode step reads (whole blocks)")
+    g.add_argument("--quest-dense-layers", type=int, default=2,
+                   help="QUEST: the first layers stay dense")
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -41,10 +48,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
-                scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+                scheduling_policy=args.scheduling_policy,
+                preemption_mode=args.preemption_mode, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                quantization_args=parse_quantization_args(args.quantization_arg))
+                quantization_args=parse_quantization_args(args.quantization_arg),
+                sparse_attention=args.sparse_attention,
+                sparse_token_budget=args.sparse_token_budget,
+                quest_dense_layers=args.quest_dense_layers)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -37,12 +37,28 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True   # radix-tree reuse of KV across shared prefixes
     scheduling_policy: str = "fcfs"
+    # preemption (sched/swap.py): recompute | swap | auto (cost model); swapped KV goes to a
+    # host pool of swap_host_blocks blocks (None = as many as the engine pool, 0 = disk only),
+    # then to memory-mapped files under swap_dir (None = a temp dir)
+    preemption_mode: str = "recompute"
+    swap_host_blocks: int | None = None
+    swap_dir: str | None = None
     attention_backend: str = "paged"
     kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (paged backend)
     quantization: str = "none"           # weight quantization method (kvforge.quant registry)
     quantization_args: dict | None = None  # its options, e.g. {"group_size": 128}
     num_threads: int | None = None       # torch intra-op threads; None = physical cores
+    sparse_attention: str = "none"       # none | quest (attention/quest.py: sparse decode)
+    sparse_token_budget: int = 2048      # QUEST: tokens each decode reads (whole blocks)
+    quest_dense_layers: int = 2          # QUEST: the first layers stay dense
     seed: int = 0
+    # speculative decoding (kvforge/spec): None | ngram | draft (self-draft unless a draft model)
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4      # k proposed tokens per step per request
+    speculative_draft_model: str | None = None   # draft: a smaller model, same tokenizer
+    speculative_draft_layers: int | None = None  # self-draft depth; None = num_layers // 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -58,9 +74,20 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        from kvforge.sched.swap import validate_swap_args
+        validate_swap_args(self.preemption_mode, self.swap_host_blocks)
         # an fp8 KV cache is an attention backend variant: swap "paged" for "paged_fp8_*"
         from kvforge.quant.fp8_kv import fp8_backend_name
         self.attention_backend = fp8_backend_name(self.attention_backend, self.kv_cache_dtype)
+        # QUEST is an attention backend variant too: "paged" becomes "quest"
+        from kvforge.attention.long_context import apply_sparse_attention
+        apply_sparse_attention(self)
+        if self.speculative_method not in (None, "none", "ngram", "draft"):
+            raise ValueError(f"speculative_method must be ngram or draft, got "
+                             f"{self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.quantization_args is not None and not isinstance(self.quantization_args, dict):

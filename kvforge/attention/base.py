@@ -30,6 +30,7 @@ def get_backend_cls(name: str) -> type["AttentionBackend"]:
         import kvforge.attention.paged  # noqa: F401
         import kvforge.attention.tiled  # noqa: F401
         import kvforge.attention.mla  # noqa: F401
+        import kvforge.attention.quest  # noqa: F401  (QUEST sparse decode)
         import kvforge.quant.fp8_kv  # noqa: F401  (paged_fp8_e4m3, paged_fp8_e5m2)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")

@@ -25,6 +25,8 @@ from kvforge.loader.source import load_model_source
 from kvforge.sampling_params import SamplingParams
 from kvforge.sched.config import SchedulerConfig
 from kvforge.sched.scheduler import Scheduler
+from kvforge.sched.swap import build_kv_swapper
+from kvforge.spec.factory import build_spec_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +91,13 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
             block_size=config.block_size), self.kv_manager)
+        # swap preemption (sched/swap.py); None = recompute
+        self.scheduler.swapper = build_kv_swapper(config, self.runner, self.kv_manager)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         # a request can grow only as long as the context and the whole KV pool allow
         self.max_len_per_request = min(self.max_model_len, self.scheduler.max_tokens_in_cache)
+        # speculative decoding (kvforge/spec); None when off
+        self.spec = build_spec_decoder(config, self.runner, self.max_len_per_request)
         self._groups: dict[str, _Group] = {}
         self._seq_states: dict[str, _SeqState] = {}
         self._ids = itertools.count()
@@ -172,10 +178,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
+        if self.spec is not None:
+            self.spec.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         self.num_preemptions_total += len(sched.preempted_request_ids)
         self.scheduler.update_from_output(sched, runner_out.sampled)
+        if self.spec is not None:
+            self.spec.record(sched, runner_out.sampled)
 
         now = time.monotonic()
         changed: dict[str, _Group] = {}
@@ -190,10 +200,14 @@ class LLMEngine:
                 req.first_token_time = now
             if rid in runner_out.logprobs:
                 req.output_logprobs.append(runner_out.logprobs[rid])
-            for token in tokens:
+            for j, token in enumerate(tokens):
                 state.text += state.detokenizer.step([token])
-                result = state.stop_checker.check(req, token, state.text)
+                # several tokens per step (speculation): check each as if it were the last
+                behind = len(tokens) - 1 - j
+                result = state.stop_checker.check(req, token, state.text, behind)
                 if result.status is not None:
+                    if behind:
+                        req.truncate_output(req.num_output_tokens - behind)
                     if result.text is not None:
                         state.text = result.text
                     else:
@@ -233,7 +247,9 @@ class LLMEngine:
                              if first.sampling_params.prompt_logprobs is not None else None),
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time,
                                    first.first_token_time, first.finished_time,
-                                   sum(s.request.num_preemptions for s in group.seqs)),
+                                   sum(s.request.num_preemptions for s in group.seqs),
+                                   sum(s.request.num_swaps for s in group.seqs),
+                                   sum(s.request.swapped_bytes for s in group.seqs)),
             deltas=deltas)
 
     # --------------------------------------------------------------- debug
@@ -250,6 +266,12 @@ class LLMEngine:
         """PrefixCacheStats (queries, query/hit tokens, hit_rate, evicted/cached blocks) or
         None with --no-enable-prefix-caching."""
         return self.kv_manager.prefix_cache_stats
+
+    @property
+    def spec_stats(self):
+        """SpecStats (proposed, accepted, acceptance_rate, mean_accepted_length) or None when
+        speculative decoding is off."""
+        return self.spec.stats if self.spec is not None else None
 
     @property
     def model(self):

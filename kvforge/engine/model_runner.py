@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.attention.long_context import configure_long_context
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.config import EngineConfig
 from kvforge.engine.request import Request
@@ -17,6 +18,7 @@ from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
 from kvforge.quant.loading import load_model
 from kvforge.sched.output import SchedulerOutput
+from kvforge.spec.rejection import verify_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
+
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -43,6 +47,7 @@ class ModelRunner:
                                 attn_backend=config.attention_backend, dtype=self.dtype,
                                 device=self.device)
         self.model.eval()
+        configure_long_context(self.model, config)    # QUEST budget + layer indices (if any)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
@@ -78,13 +83,18 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not sched.scheduled:
             return out
+        # speculative decoding: a draft model fills its lookahead slots now that they exist
+        draft_probs = (self.drafter.propose(sched, self.kv_caches)
+                       if self.drafter is not None else {})
 
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         for req in sched.scheduled:
             n = sched.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start:start + n])
+            spec = sched.spec_token_ids.get(req.request_id, ())
+            input_ids.extend(req.all_token_ids[start:start + n - len(spec)])
+            input_ids.extend(spec)
             query_lens.append(n)
             context_lens.append(start)
             block_tables.append(sched.block_ids[req.request_id])
@@ -97,11 +107,17 @@ class ModelRunner:
         # tokens this step. Forked children (n > 1) sample from their parent's row.
         sample_reqs: list[Request] = []
         sample_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        spec_rows: list[int] = []
         row_of: dict[str, int] = {}
         ends = meta.query_start_loc[1:].tolist()
         for i, req in enumerate(sched.scheduled):
             n = query_lens[i]
-            if context_lens[i] + n == req.num_tokens:
+            num_spec = len(sched.spec_token_ids.get(req.request_id, ()))
+            if num_spec:           # speculative decoding: 1 + k verification rows
+                spec_reqs.append(req)
+                spec_rows.extend(range(ends[i] - 1 - num_spec, ends[i]))
+            elif context_lens[i] + n == req.num_tokens:
                 row_of[req.request_id] = ends[i] - 1
                 sample_reqs.append(req)
                 sample_rows.append(ends[i] - 1)
@@ -111,6 +127,12 @@ class ModelRunner:
         for child in sched.forked_requests:
             sample_reqs.append(child)
             sample_rows.append(row_of[sched.forked[child.request_id]])
+        if spec_reqs:
+            spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_rows, device=self.device)])
+            drafts = [sched.spec_token_ids[r.request_id] for r in spec_reqs]
+            for req, tokens in zip(spec_reqs, verify_proposals(spec_logits, spec_reqs, drafts,
+                                                               draft_probs)):
+                out.sampled[req.request_id] = tokens
         if not sample_reqs:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

@@ -25,6 +25,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_swaps: int = 0                    # preemptions that swapped KV out instead of dropping it
+    swapped_bytes: int = 0                # KV bytes swapped out (each swap-out counted)
 
     @property
     def queue_time(self) -> float | None:

@@ -58,8 +58,13 @@ class Request:
         self.status = RequestStatus.WAITING
         # n > 1: ids of the sibling requests that fork from this one once its prompt is computed
         self.pending_forks: list[Request] = []
+        # speculative decoding: tokens proposed for after the last one (kvforge/spec); the
+        # scheduler verifies them with the last token, or drops them
+        self.spec_token_ids: list[int] = []
 
         self.num_preemptions = 0
+        self.num_swaps = 0                  # preemptions whose KV went to a slower tier
+        self.swapped_bytes = 0              # bytes swapped out (sched/swap.py)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -101,6 +106,16 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop outputs past the first ``num_output_tokens`` (a stop hit inside a run of
+        speculatively accepted tokens); computed tokens never exceed the tokens kept."""
+        if not 0 <= num_output_tokens <= self.num_output_tokens:
+            raise ValueError(f"cannot truncate {self.num_output_tokens} outputs to "
+                             f"{num_output_tokens!r}")
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -86,14 +86,17 @@ class StopChecker:
             return StopResult(RequestStatus.FINISHED_LENGTH)
         return _CONTINUE
 
-    def check(self, request: Request, token_id: int, output_text: str) -> StopResult:
+    def check(self, request: Request, token_id: int, output_text: str,
+              num_appended_after: int = 0) -> StopResult:
         """``update`` for the engine loop: call once per token, after the token was appended to
         ``request`` and its text to ``output_text``. The new text is whatever ``output_text``
-        gained since the previous call.
+        gained since the previous call. ``num_appended_after``: tokens already appended after
+        this one (speculative decoding appends several per step), not counted here.
         """
         new_text = output_text[min(self._checked_text_len, len(output_text)):]
-        return self.update(token_id, new_text, output_text, request.num_output_tokens,
-                           request.num_tokens)
+        return self.update(token_id, new_text, output_text,
+                           request.num_output_tokens - num_appended_after,
+                           request.num_tokens - num_appended_after)
 
     def safe_text_len(self, output_text: str) -> int:
         """How many leading chars of an unfinished request's text can be streamed now."""

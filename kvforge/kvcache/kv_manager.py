@@ -160,6 +160,19 @@ class KVCacheManager:
             self.prefix_cache.cache(request.request_id, request.all_token_ids, table,
                                     request.num_computed_tokens)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks wholly past the first ``num_tokens`` positions (speculative
+        decoding's rejected lookahead slots); the block holding position num_tokens - 1 stays.
+
+            num_tokens = 6, B = 4:  [b3: 0-3][b8: 4 5 x x][b1: x x x x]  ->  b1 freed
+        """
+        table = self._block_tables.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table and len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(reversed(extra))
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all of the parent's blocks (each gains one reference)."""
         if parent_id not in self._block_tables:

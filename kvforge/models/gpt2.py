@@ -142,9 +142,13 @@ class GPT2LMHeadModel(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.transformer.h[0].attn.attn.kv_cache_shape(num_blocks, block_size))
 
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.transformer.h[0].attn.attn.cache_dtype(self.dtype)   # fp8 backends: 8-bit
+
     def kv_cache_bytes_per_token(self) -> int:
-        per_layer = math.prod(self.kv_cache_shape(1, 1))
-        return per_layer * torch.empty((), dtype=self.dtype).element_size() * self.num_layers
+        per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, K and V
+        return (per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size()
+                * self.num_layers)
 
     # ------------------------------------------------------------------ weights
     def c_attn_rows(self, weight_or_bias: torch.Tensor) -> torch.Tensor:

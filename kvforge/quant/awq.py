@@ -24,6 +24,7 @@ from kvforge.quant import packing
 from kvforge.quant.base import register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.int4 import Int4LinearMethod
+from kvforge.quant.w8a8_ops import float_weight, take_float_weight
 
 
 def int4_fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -54,15 +55,15 @@ class AWQLinearMethod(CalibratedLinearMethod):
     def compute_scales(self, layer):
         x = torch.cat(self.samples)
         s, self.ratio, self.search_mse = search_awq_scales(
-            layer.weight_t.t(), x, self.abs_sum / self.num_rows, self.config.group_size,
+            float_weight(layer), x, self.abs_sum / self.num_rows, self.config.group_size,
             self.config.grid)
         return s
 
     def quantize(self, layer, scales):
-        scaled = layer.weight_t.float().t() * scales[None, :]          # W * s, [out, in]
         bias = layer.bias.detach().clone() if layer.has_bias else None
-        dtype = layer.weight_t.dtype
-        del layer.weight_t
+        weight = take_float_weight(layer)
+        dtype = weight.dtype
+        scaled = weight.float() * scales[None, :]                       # W * s, [out, in]
         # part A's INT4 method stores and multiplies Q(W * s) (packed kernel, never dequantized)
         self.inner = Int4LinearMethod(self.config.group_size)
         self.inner.create_weights(layer, dtype, scaled.device)

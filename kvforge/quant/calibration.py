@@ -3,7 +3,7 @@ that needs no engine, and the base class of methods that quantize from activatio
 
 Flow (the engine, or a test, drives it):
 
-    model built with the method, weights loaded        layers hold float ``weight_t``, "pending"
+    model built with the method, weights loaded        layers hold the float weight, "pending"
     config.calibrate(model, batches)                   forward passes; each pending layer's apply
                                                        records stats of its input x, then
                                                        ``finish`` turns stats into per-input-
@@ -128,7 +128,7 @@ class CalibratedLinearMethod(UnquantizedLinearMethod):
 
     @abstractmethod
     def quantize(self, layer: Linear, scales: torch.Tensor) -> None:
-        """Replace the float ``weight_t`` by the quantized storage of W * s."""
+        """Replace the float weight by the quantized storage of W * s."""
 
     @abstractmethod
     def apply_quantized(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...

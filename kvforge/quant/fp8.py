@@ -15,6 +15,7 @@ from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
 from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.w8a8_ops import take_float_weight
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)   # 448
 
@@ -32,15 +33,15 @@ class FP8LinearMethod(UnquantizedLinearMethod):
         self.tile_cols = tile_cols
 
     def process_weights_after_loading(self, layer):
-        if not hasattr(layer, "weight_t"):
-            return
-        w8_t, scale = quantize_fp8_per_channel(layer.weight_t.t())
-        del layer.weight_t
+        weight = take_float_weight(layer)
+        if weight is None:
+            return                                   # already quantized (idempotent)
+        w8_t, scale = quantize_fp8_per_channel(weight)
         layer.weight_fp8_t = nn.Parameter(w8_t, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer, x):
-        if hasattr(layer, "weight_t"):
+        if not hasattr(layer, "weight_fp8_t"):
             raise RuntimeError("fp8 layer used before process_weights_after_loading()")
         x2d = x.reshape(-1, layer.input_size)
         dtype = x2d.dtype

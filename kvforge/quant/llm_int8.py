@@ -21,26 +21,27 @@ from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
 from kvforge.quant.base import QuantizationConfig, register_quantization
-from kvforge.quant.w8a8_ops import int8_matmul, quantize_per_token, quantize_weight_per_channel
+from kvforge.quant.w8a8_ops import (int8_matmul, quantize_per_token, quantize_weight_per_channel,
+                                    take_float_weight)
 
 
 class LLMInt8LinearMethod(UnquantizedLinearMethod):
-    """Loads like the float method (``weight_t``), then quantizes it in
+    """Loads like the float method, then quantizes it in
     ``process_weights_after_loading`` to ``qweight_t`` [in, out] int8 + ``weight_scale`` [out]."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
     def process_weights_after_loading(self, layer):
-        if not hasattr(layer, "weight_t"):
+        weight = take_float_weight(layer)
+        if weight is None:
             return                                   # already quantized (idempotent)
-        qweight_t, scale = quantize_weight_per_channel(layer.weight_t.t())
-        del layer.weight_t
+        qweight_t, scale = quantize_weight_per_channel(weight)
         layer.qweight_t = nn.Parameter(qweight_t, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer, x):
-        if hasattr(layer, "weight_t"):
+        if not hasattr(layer, "qweight_t"):
             raise RuntimeError("llm_int8 layer used before process_weights_after_loading()")
         x2d = x.reshape(-1, layer.input_size).float()
         outlier_cols = (x2d.abs() > self.threshold).any(dim=0).nonzero().flatten()

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from kvforge.layers.linear import Linear
+from kvforge.layers.linear import Linear, UnquantizedLinearMethod
 from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
 from kvforge.quant.base import QuantizationConfig, get_quantization_config
@@ -34,14 +34,20 @@ def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig)
         method = quant_config.get_linear_method(prefix)
         if method is None:
             continue
-        dtype = layer.weight_t.dtype if hasattr(layer, "weight_t") else torch.float32
-        device = layer.weight_t.device if hasattr(layer, "weight_t") else torch.device("cpu")
-        for name in ("weight_t", "bias"):
+        float_weight = layer._parameters.get("weight", layer._parameters.get("weight_t"))
+        dtype = float_weight.dtype if float_weight is not None else torch.float32
+        device = float_weight.device if float_weight is not None else torch.device("cpu")
+        for name in ("weight", "weight_t", "bias"):
             if name in layer._parameters:
                 del layer._parameters[name]
+        layer.bias = None
         layer.method = method
         method.create_weights(layer, dtype, device)
         swapped += 1
+    # a tied float head reads the embedding tensor; a quantized one loads its own copy from it
+    if getattr(model, "_head_shares_embedding", False) and \
+            not isinstance(model.lm_head.method, UnquantizedLinearMethod):
+        model._head_shares_embedding = False
     return swapped
 
 

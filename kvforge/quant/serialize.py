@@ -87,7 +87,7 @@ def quantized_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     state[f"{name}.qweight"] = rows.q[r]
                     state[f"{name}.scales"] = rows.scale[r]
                 else:
-                    state[f"{name}.weight"] = module.weight_t.t()[r]
+                    state[f"{name}.weight"] = module.weight[r]
                 if module.has_bias:
                     state[f"{name}.bias"] = module.bias[r]
         else:

@@ -23,7 +23,8 @@ from torch import nn
 
 from kvforge.quant.base import register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
-from kvforge.quant.w8a8_ops import int8_matmul, quantize_per_token, quantize_weight_per_channel
+from kvforge.quant.w8a8_ops import (float_weight, int8_matmul, quantize_per_token,
+                                    quantize_weight_per_channel, take_float_weight)
 
 
 def smoothing_scales(act_abs_max: torch.Tensor, weight_abs_max: torch.Tensor,
@@ -37,13 +38,12 @@ def smoothing_scales(act_abs_max: torch.Tensor, weight_abs_max: torch.Tensor,
 
 class SmoothQuantLinearMethod(CalibratedLinearMethod):
     def compute_scales(self, layer):
-        weight_abs_max = layer.weight_t.abs().amax(dim=1)          # weight_t [in, out] -> [in]
+        weight_abs_max = float_weight(layer).abs().amax(dim=0)      # W [out, in] -> [in]
         return smoothing_scales(self.abs_max, weight_abs_max, self.config.alpha)
 
     def quantize(self, layer, scales):
-        smoothed = layer.weight_t.float().t() * scales[None, :]      # W * s, [out, in]
+        smoothed = take_float_weight(layer).float() * scales[None, :]  # W * s, [out, in]
         qweight_t, w_scale = quantize_weight_per_channel(smoothed)
-        del layer.weight_t
         layer.qweight_t = nn.Parameter(qweight_t, requires_grad=False)
         layer.weight_scale = nn.Parameter(w_scale, requires_grad=False)
         layer.smooth_inv_scale = nn.Parameter(1.0 / scales, requires_grad=False)

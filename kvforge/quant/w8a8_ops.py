@@ -46,6 +46,28 @@ def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq_t: torch.Tensor,
     return acc.float().mul_(x_scale[:, None]).mul_(w_scale[None, :])
 
 
+def take_float_weight(layer) -> torch.Tensor | None:
+    """Remove and return the float W [out, in] that ``UnquantizedLinearMethod`` loaded into
+    ``layer`` (None if already taken). Accepts either of its layouts (``weight`` [out, in] or an
+    older ``weight_t`` [in, out]) so quantized methods do not depend on which one it uses."""
+    if "weight" in layer._parameters and layer._parameters["weight"] is not None:
+        w = layer.weight
+        del layer.weight
+        return w
+    if hasattr(layer, "weight_t"):
+        w = layer.weight_t.t()
+        del layer.weight_t
+        return w
+    return None
+
+
+def float_weight(layer) -> torch.Tensor:
+    """The loaded float W [out, in] of a layer still in float form (not removed)."""
+    if "weight" in layer._parameters and layer._parameters["weight"] is not None:
+        return layer.weight
+    return layer.weight_t.t()
+
+
 def dequantize_weight(wq_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """The float weight W [out, in] the int8 storage stands for (tests and outlier columns)."""
     return wq_t.t().float() * w_scale[:, None]

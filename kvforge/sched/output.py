@@ -28,6 +28,9 @@ class SchedulerOutput:
     forked: dict[str, str] = field(default_factory=dict)
     forked_requests: list[Request] = field(default_factory=list)   # the children named in forked
     preempted_request_ids: list[str] = field(default_factory=list)
+    # speculative decoding: request_id -> proposed tokens scheduled after its last token (they
+    # are the last len(...) of its num_scheduled_tokens; only accepted ones become computed)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

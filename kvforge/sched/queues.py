@@ -5,7 +5,7 @@ import bisect
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from kvforge.engine.request import Request
 
@@ -79,6 +79,22 @@ class RequestQueue(ABC):
         if not running:
             raise ValueError("no running request to preempt")
         return running[-1]
+
+    # ---- preemptive-policy hooks (mlfq); the defaults keep FCFS-style behaviour -----------
+    def requests_to_yield(self, running: Sequence[Request], free_seq_slots: int) -> list[Request]:
+        """Running requests the scheduler should preempt at the start of a step so that
+        higher-ranked waiting requests run (``free_seq_slots`` = unused ``max_num_seqs``)."""
+        return []
+
+    def order_running(self, running: list[Request]) -> None:
+        """Reorder the running list in place (earlier = first share of the token budget)."""
+
+    def on_step_scheduled(self, num_scheduled_tokens: Mapping[str, int],
+                          scheduled: Mapping[str, Request]) -> None:
+        """Called once per step with its final plan: tokens of work each request got."""
+
+    def forget(self, request: Request) -> None:
+        """The request finished or was aborted: drop any state kept about it."""
 
 
 @register_queue_policy("fcfs")
@@ -173,3 +189,4 @@ class PriorityRequestQueue(RequestQueue):
 
 # cache-aware policies live in their own modules and register themselves on import
 from kvforge.sched import lpm_queue as _lpm_queue  # noqa: E402,F401  ("lpm")
+from kvforge.sched import mlfq as _mlfq  # noqa: E402,F401  ("mlfq")

@@ -69,7 +69,9 @@ class _StepPlan:
             block_copies=[copy for _, copy in self.block_copies],
             forked=dict(self.forked),
             forked_requests=list(self.forked_requests),
-            preempted_request_ids=list(self.preempted_request_ids))
+            preempted_request_ids=list(self.preempted_request_ids),
+            spec_token_ids={r.request_id: list(r.spec_token_ids) for r in ordered
+                            if r.spec_token_ids})
 
 
 class Scheduler:
@@ -88,6 +90,7 @@ class Scheduler:
         # every unfinished request, including n > 1 siblings not yet forked
         self.requests: dict[str, Request] = {}
         self._pending_fork_parent: dict[str, Request] = {}   # child id -> parent
+        self.swapper = None      # sched/swap.py KVSwapper (set by the engine); None = recompute
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -167,6 +170,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_manager.free(request_id)
+        self.waiting.forget(request)                      # policy state (mlfq ranks)
+        if self.swapper is not None:
+            self.swapper.discard(request)                 # KV swapped out while it waited
         request.status = status
         request.finished_time = time.monotonic()
         for child in list(request.pending_forks):
@@ -178,13 +184,25 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(tokens_left=self.config.max_num_batched_tokens)
+        num_yielded = self._yield_to_waiting(plan)            # preemptive policies (mlfq)
         self._schedule_running(plan)
-        if not plan.preempted_request_ids:
+        if len(plan.preempted_request_ids) == num_yielded:    # no KV-pressure preemption
             self._schedule_waiting(plan)
         self._fork_completed_prompts(plan)
+        self.waiting.on_step_scheduled(plan.num_scheduled_tokens, plan.requests)  # quanta
         if not plan.requests and not self.running and self.waiting:
             self._raise_if_never_fits(self.waiting.peek())
         return plan.to_output(self.kv_manager)
+
+    def _yield_to_waiting(self, plan: _StepPlan) -> int:
+        """Let the queue policy rank the running list and name running requests that give
+        their sequence slots to higher-ranked waiting ones (FCFS: none). Returns how many."""
+        self.waiting.order_running(self.running)
+        free_seq_slots = self.config.max_num_seqs - self._num_seq_slots_used()
+        victims = self.waiting.requests_to_yield(self.running, free_seq_slots)
+        for victim in victims:
+            self._preempt(victim, plan)
+        return len(victims)
 
     def _raise_if_never_fits(self, request: Request) -> None:
         # an empty step with an empty running list repeats forever: fail loudly instead
@@ -200,6 +218,16 @@ class Scheduler:
             return max(0, min(remaining, tokens_left))
         return remaining if 0 < remaining <= tokens_left else 0
 
+    @staticmethod
+    def _num_spec_tokens(request: Request, num_tokens: int, tokens_left: int) -> int:
+        """Speculative decoding (kvforge/spec): a decode (its last token only) also verifies
+        its proposed tokens, as many as the budget takes; the rest are dropped."""
+        spec = request.spec_token_ids
+        if spec and (num_tokens != 1 or request.num_remaining_tokens != 1):
+            spec.clear()
+        del spec[max(0, tokens_left - num_tokens):]
+        return len(spec)
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -209,6 +237,7 @@ class Scheduler:
             num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
             if num_tokens == 0:
                 continue
+            num_tokens += self._num_spec_tokens(request, num_tokens, plan.tokens_left)
             if not self._allocate_or_preempt(request, num_tokens, plan):
                 break
 
@@ -220,6 +249,10 @@ class Scheduler:
             if slots is not None:
                 plan.add(request, num_tokens, slots.block_copies)
                 return True
+            if request.spec_token_ids:           # drop speculation before preempting anyone
+                num_tokens -= len(request.spec_token_ids)
+                request.spec_token_ids = []
+                continue
             victim = self.waiting.select_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
@@ -228,10 +261,13 @@ class Scheduler:
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Recompute preemption: drop its KV; it goes back to the front of the waiting queue."""
         self.running.remove(request)
+        if self.swapper is not None:
+            self.swapper.on_preempt(request)     # swap its KV out before the blocks are freed
         self.kv_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []
         self.waiting.prepend(request)
         plan.remove(request.request_id)
         plan.preempted_request_ids.append(request.request_id)
@@ -247,10 +283,14 @@ class Scheduler:
             prefix = self.kv_manager.match_prefix(request)
             if prefix is not None and self._prefix_in_flight(request, prefix.num_tokens):
                 break                        # admit next step, sharing what is being computed
-            request.num_computed_tokens = prefix.num_tokens if prefix else 0
-            num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
-            slots = (self.kv_manager.allocate_slots(request, num_tokens, prefix)
-                     if num_tokens > 0 else None)
+            if self.swapper is not None and self.swapper.is_swapped(request):   # swap-in
+                num_tokens, slots = self.swapper.admit(request, prefix, plan.tokens_left,
+                                                       self._num_tokens_to_schedule)
+            else:
+                request.num_computed_tokens = prefix.num_tokens if prefix else 0
+                num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
+                slots = (self.kv_manager.allocate_slots(request, num_tokens, prefix)
+                         if num_tokens > 0 else None)
             if slots is None:
                 request.num_computed_tokens = 0
                 break
@@ -308,10 +348,15 @@ class Scheduler:
         for request in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue
-            num_computed = request.num_computed_tokens + output.num_scheduled_tokens[request.request_id]
+            num_spec = len(output.spec_token_ids.get(request.request_id, ()))
+            num_computed = (request.num_computed_tokens
+                            + output.num_scheduled_tokens[request.request_id] - num_spec)
             if num_computed > request.num_tokens:
                 raise RuntimeError(f"{request!r} scheduled past its last token")
             tokens = sampled.get(request.request_id) or []
+            if len(tokens) > num_spec + 1:
+                raise ValueError(f"request {request.request_id!r}: {len(tokens)} tokens for "
+                                 f"{num_spec} proposed")
             if (num_computed == request.num_tokens) != bool(tokens):
                 raise ValueError(f"request {request.request_id!r}: sampled {tokens!r} but "
                                  f"computed {num_computed} of {request.num_tokens} tokens")
@@ -329,12 +374,18 @@ class Scheduler:
         now = time.monotonic()
         got_tokens: list[Request] = []
         for request, tokens in advanced:
-            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
-            # newly computed full blocks become shareable by later (and waiting) requests
-            self.kv_manager.cache_computed_blocks(request)
+            # speculative decoding: of the proposed tokens only the accepted ones (all emitted
+            # tokens but the last) count as computed; their KV slots hold the right ids
+            num_spec = len(output.spec_token_ids.get(request.request_id, ()))
+            request.num_computed_tokens += (output.num_scheduled_tokens[request.request_id]
+                                            - num_spec + max(0, len(tokens) - 1))
             if tokens:
                 self._append_tokens(request, tokens, now)
                 got_tokens.append(request)
+            # newly computed full blocks become shareable by later (and waiting) requests
+            self.kv_manager.cache_computed_blocks(request)
+            if num_spec:                  # blocks holding only rejected slots go back
+                self.kv_manager.trim(request.request_id, request.num_tokens)
         for child, tokens in forked:
             # it shares the parent's prompt KV, computed in this step
             child.num_computed_tokens = child.num_tokens
@@ -381,6 +432,8 @@ class Scheduler:
             assert any(c is child for c in parent.pending_forks), f"{child!r} lost by its parent"
             assert self.requests.get(parent.request_id) is parent, f"{child!r} has a finished parent"
             assert not self.kv_manager.has_blocks(child_id), f"pending fork {child!r} holds blocks"
+        if self.swapper is not None:
+            self.swapper.check_integrity(set(waiting_ids))
         orphans = set(self.kv_manager.request_ids()) - set(running_ids)
         assert not orphans, f"block tables of non-running requests: {sorted(orphans)}"
         assert self._num_seq_slots_used() <= self.config.max_num_seqs, "max_num_seqs exceeded"

@@ -64,7 +64,7 @@ def test_decomposition_beats_plain_w8a8_on_outlier_activations():
 def test_bias_leading_dims_and_storage():
     w, b = random_weight(24, 32), torch.randn(24)
     layer = make_linear(w, LLMInt8Config().get_linear_method("x"), bias=b)
-    assert not hasattr(layer, "weight_t") and layer.qweight_t.dtype == torch.int8
+    assert "weight" not in layer._parameters and layer.qweight_t.dtype == torch.int8
     x = torch.randn(2, 3, 32)
     y = layer(x)
     assert y.shape == (2, 3, 24)

@@ -37,7 +37,7 @@ def test_gguf_q4_1_kept_quantized_matches_dequantized_fp32(default_model_path):
     fp32 = load_model(source)
     kept = load_model(source, quantization="gguf", quantization_args={"lm_head": "none"})
     layer = kept.model.layers[0].self_attn.qkv_proj
-    assert isinstance(layer.method, Int4LinearMethod) and not hasattr(layer, "weight_t")
+    assert isinstance(layer.method, Int4LinearMethod) and not hasattr(layer, "weight")
     assert layer.qweight.dtype == torch.uint8             # 4 bits per weight, no float copy
     for ids in PROMPTS:
         a, b = _logits(kept, ids), _logits(fp32, ids)
@@ -71,8 +71,10 @@ def test_int4_save_reload_gives_identical_outputs(tiny_model_factory, tmp_path):
     assert (tmp_path / "q" / QUANT_FILE).is_file()
 
 
-def test_int8_model_close_to_fp32_on_tiny_llama(tiny_model_factory):
-    hf_dir, _ = tiny_model_factory("llama")
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_model_close_to_fp32_on_tiny_llama(tiny_model_factory, tied):
+    """Tied: the quantized head must load its own copy from the embedding."""
+    hf_dir, _ = tiny_model_factory("llama", tie_word_embeddings=tied)
     source = load_model_source(hf_dir)
     fp32, int8 = load_model(source), load_model(source, quantization="int8")
     ids = list(range(5, 69))

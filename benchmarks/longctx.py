@@ -1,0 +1,212 @@
+"""Long context: QUEST sparse decode against dense attention.
+
+    python benchmarks/longctx.py                       # defaults: a few minutes on 2 cores
+    python benchmarks/longctx.py --lengths 1024 2048 4096 8000 --trials 5
+
+Part 1 (attention alone): one attention layer of the SmolLM2-135M shape (9 query heads, 3 KV
+heads, 64 dims, fp32, blocks of 16) decoding ``--attn-batch`` sequences at 4k and 8k context
+over random K/V: the paged backend (dense) against the QUEST backend at each budget. The time
+includes writing the new token (and, for QUEST, its block's min/max bounds).
+
+Part 2 (the default model, end to end): passkey retrieval. A five-digit number sits at a random
+depth of filler text; the chat model is asked for it (greedy, 10 tokens) and a trial counts as
+correct when the number appears in the answer. Each prompt is prefilled once (dense: QUEST
+never changes prefill) and every configuration decodes from the same cached prompt (the prefix
+cache recomputes only the last partial block), so the configurations see identical inputs.
+The decode steps after the first token are timed: decode time per token at each length.
+Configurations: dense (QUEST backend with a budget above the context, i.e. the paged decode
+path) and QUEST at each ``--budgets`` value with the first 2 layers dense. Ends with one
+``SUMMARY longctx:`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import setup_threads
+from benchmarks.hardware import hardware_line
+from benchmarks.report import format_table
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.paged import PagedAttentionBackend, write_kv_cache
+from kvforge.attention.quest import QuestAttentionBackend, configure_quest, write_kv_and_bounds
+
+DENSE = 10**9          # a budget no context reaches: QUEST falls back to the dense decode path
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+# ------------------------------------------------------------------ part 1: attention alone
+def time_attention(context: int, budget: int | None, batch: int, reps: int) -> float:
+    """Seconds of one decode forward of ``batch`` sequences at ``context`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-(context + 1) // BLOCK)
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+    if budget is None:
+        backend = PagedAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    else:
+        backend = QuestAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend.token_budget = budget
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK))
+    # fill the contexts through the backend itself (QUEST computes its bounds while writing)
+    meta = AttentionMetadata.build([context] * batch, [0] * batch, tables, BLOCK)
+    k = torch.randn(batch * context, KV_HEADS, HEAD_DIM, generator=gen)
+    if budget is None:
+        write_kv_cache(cache, k, torch.randn_like(k), meta.slot_mapping)
+    else:
+        write_kv_and_bounds(cache, k, torch.randn_like(k), meta)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    kn = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen)
+    # one step's metadata, reused: the runner builds it (and the plan cached on it) once per
+    # step for all layers, so the per-layer time excludes it; rewriting the same slot is harmless
+    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK)
+    backend.forward(q, kn, kn, cache, meta)                  # warm-up, builds the step's plan
+    # in a model each layer reads its own cache, cold from the last-level cache: evict between reps
+    evict = torch.empty(64 * 2**20 // 4)
+    times = []
+    for _ in range(reps):
+        evict.fill_(1.0)
+        t0 = time.perf_counter()
+        backend.forward(q, kn, kn, cache, meta)
+        times.append(time.perf_counter() - t0)
+    # the minimum: on a shared machine a ~10 ms forward is often cut by a scheduler time slice
+    return min(times)
+
+
+# ------------------------------------------------------------------ part 2: passkey
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+
+
+def passkey_prompt(llm, target_tokens: int, rng: random.Random) -> tuple[list[int], str]:
+    key = str(rng.randrange(10000, 100000))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    question = "What is the pass key? The pass key is"
+
+    def build(n_filler: int) -> list[int]:
+        depth = rng_depth * n_filler
+        sentences = [FILLER] * n_filler
+        sentences.insert(int(depth), needle)
+        text = ("There is an important piece of information hidden inside a lot of irrelevant "
+                "text. Find it and memorize it.\n\n" + "".join(sentences) + "\n\n" + question)
+        return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+
+    rng_depth = rng.random()
+    per_filler = len(llm.tokenizer.encode(FILLER * 20)) / 20
+    n = max(1, int(target_tokens / per_filler))
+    ids = build(n)
+    while len(ids) > target_tokens and n > 1:        # trim to fit the target
+        n = max(1, n - max(1, int((len(ids) - target_tokens) / per_filler)))
+        ids = build(n)
+    return ids, key
+
+
+def decode_with_budget(llm, prompt: list[int], budget: int, max_tokens: int):
+    """(answer text, seconds per decode step after the first token)."""
+    from kvforge import SamplingParams
+    configure_quest(llm.engine.runner.model, budget, dense_layers=2)
+    engine = llm.engine
+    rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                           ignore_eos=True))
+    step_times, text, started = [], "", False
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        for out in outs:
+            if out.request_id == rid:
+                if started:
+                    step_times.append(dt)
+                started = True
+                text = out.outputs[0].text
+    return text, statistics.median(step_times) if step_times else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the SmolLM2-135M-Instruct GGUF")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--trials", type=int, default=2, help="passkey prompts per length")
+    p.add_argument("--attn-contexts", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--attn-batch", type=int, default=4)
+    p.add_argument("--attn-reps", type=int, default=30)
+    p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--skip-passkey", action="store_true")
+    args = p.parse_args()
+    setup_threads(args.threads)
+    torch.manual_seed(0)
+
+    print("== attention alone: one layer, decode of "
+          f"{args.attn_batch} sequences, ms per forward (min of {args.attn_reps})")
+    rows, attn_speedup = [], {}
+    with torch.inference_mode():
+        for ctx in args.attn_contexts:
+            dense = time_attention(ctx, None, args.attn_batch, args.attn_reps)
+            row = [f"{ctx} tokens", dense * 1e3]
+            for b in args.budgets:
+                t = time_attention(ctx, b, args.attn_batch, args.attn_reps)
+                row.append(f"{t * 1e3:.2f} ({dense / t:.1f}x)")
+                attn_speedup[(ctx, b)] = dense / t
+            rows.append(row)
+    print(format_table(["context", "dense ms"] + [f"quest {b}" for b in args.budgets], rows))
+
+    summary = [f"attn speedup @{c} b{b}={attn_speedup[(c, b)]:.1f}x"
+               for c in args.attn_contexts[-1:] for b in args.budgets if b == 1024]
+    if not args.skip_passkey:
+        from kvforge import LLM
+        max_len = max(args.lengths) + args.max_tokens + 16
+        llm = LLM(args.model, sparse_attention="quest", sparse_token_budget=DENSE,
+                  max_model_len=max_len, num_kv_blocks=max_len // 16 + 64,
+                  max_num_batched_tokens=2048, num_threads=torch.get_num_threads())
+        configs = [("dense", DENSE)] + [(f"quest {b}", b) for b in args.budgets]
+        rng = random.Random(1234)
+        correct = {(name, n): 0 for name, _ in configs for n in args.lengths}
+        step_s = {(name, n): [] for name, _ in configs for n in args.lengths}
+        actual_len = {}
+        t_start = time.perf_counter()
+        for n in args.lengths:
+            for _ in range(args.trials):
+                prompt, key = passkey_prompt(llm, n, rng)
+                actual_len.setdefault(n, []).append(len(prompt))
+                for name, budget in configs:
+                    text, dt = decode_with_budget(llm, prompt, budget, args.max_tokens)
+                    correct[(name, n)] += key in text
+                    step_s[(name, n)].append(dt)
+            print(f"  length {n}: done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        llm.engine.check_integrity()
+        print(f"\n== passkey retrieval, default model: correct / {args.trials} trials "
+              f"(prompt tokens: {', '.join(f'{n}~{min(v)}-{max(v)}' for n, v in actual_len.items())})")
+        rows = [[name] + [f"{correct[(name, n)]}/{args.trials}" for n in args.lengths]
+                for name, _ in configs]
+        print(format_table(["config"] + [f"{n} tok" for n in args.lengths], rows))
+        print("\n== decode time per token (ms, median over trials; whole model step)")
+        rows = [[name] + [statistics.median(step_s[(name, n)]) * 1e3 for n in args.lengths]
+                for name, _ in configs]
+        print(format_table(["config"] + [f"{n} tok" for n in args.lengths], rows))
+        dense_acc = sum(correct[("dense", n)] for n in args.lengths)
+        for name, budget in configs[1:]:
+            if budget == 1024:
+                acc = sum(correct[(name, n)] for n in args.lengths)
+                summary.append(f"passkey quest1024 {acc}/{len(args.lengths) * args.trials} "
+                               f"vs dense {dense_acc}/{len(args.lengths) * args.trials}")
+                longest = args.lengths[-1]
+                summary.append(f"decode @{longest} quest1024 "
+                               f"{statistics.median(step_s[('dense', longest)]) / statistics.median(step_s[(name, longest)]):.2f}x")
+    print("\n" + hardware_line())
+    print("SUMMARY longctx: " + "; ".join(summary))
+
+
+if __name__ == "__main__":
+    main()

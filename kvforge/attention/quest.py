@@ -1,0 +1,198 @@
+"""QUEST query-aware sparse attention (Tang et al., ICML 2024) over the paged cache.
+
+Every KV block keeps, per KV head, the element-wise min and max of its keys. For a decode query
+q the largest score any key of a block can reach is bounded by
+
+    bound(block) = sum_d max(q_d * min_d, q_d * max_d) = q+ . max + q- . min
+                   (q+ = max(q, 0), q- = min(q, 0))
+
+The heads of a GQA group share their KV head's blocks, so their bounds are summed; since the
+bound is linear in q+ and q-, that is (sum_g q_g+) . max + (sum_g q_g-) . min: one pass over
+the bounds per KV head, whatever the group size. Decode attends only over the ``token_budget // block_size`` blocks with the
+largest bound (the sequence's current, last block always among them); prefill chunks and the
+first ``dense_layers`` layers stay dense, as in the paper.
+
+Cache layout: ``kv_cache_shape`` adds one row after each block's ``block_size`` slots::
+
+    kv_cache  [2, num_blocks, block_size + 1, num_kv_heads, head_size]
+               |              slots 0..B-1: K (plane 0) and V (plane 1), as in ``paged``
+               |              row B:        key min (plane 0) and key max (plane 1)
+    block b:  [ k0 k1 ... k(B-1) | kmin ]     [ v0 v1 ... v(B-1) | kmax ]
+
+Keeping the bounds inside the layer's one tensor means copy-on-write block copies (the runner
+copies ``cache[:, dst] = cache[:, src]``) carry them along, and nothing else has to be
+allocated or freed. Bounds are recomputed from scratch for every block a step writes into, over
+slots ``0 .. last slot written``: a reused block (freed, then allocated again) starts over
+when its slot 0 is written, stale slots past the written ones are never included, and chunked
+prefill, copy-on-write and speculative rollback (a rewrite) all give exact bounds.
+(``kv_cache_bytes_per_token`` of the model counts the extra row as if every block held one
+token, so a memory-sized pool is smaller than it could be; ``num_kv_blocks`` is exact.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.attention.base import register_backend
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.paged import PagedAttentionBackend
+
+
+@dataclass
+class _BlockWrites:
+    """Which blocks one step writes into, shared by every layer (cached on the metadata)."""
+    blocks: torch.Tensor        # [T] block id of each new token
+    offsets: torch.Tensor       # [T] slot within its block
+    touched: torch.Tensor       # [U] distinct blocks written
+    filled: torch.Tensor        # [U, B] bool: slot holds a token (<= the last slot written)
+
+
+def _block_writes(meta: AttentionMetadata) -> _BlockWrites:
+    cached = meta.__dict__.get("_quest_writes")
+    if cached is None:
+        size = meta.block_size
+        blocks, offsets = meta.slot_mapping // size, meta.slot_mapping % size
+        touched, inverse = torch.unique(blocks, return_inverse=True)
+        last = torch.zeros_like(touched).scatter_reduce_(0, inverse, offsets, "amax",
+                                                         include_self=False)
+        filled = torch.arange(size, device=blocks.device)[None, :] <= last[:, None]
+        cached = meta.__dict__["_quest_writes"] = _BlockWrites(blocks, offsets, touched, filled)
+    return cached
+
+
+def write_kv_and_bounds(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        meta: AttentionMetadata) -> None:
+    """Write the step's K/V into their slots, then recompute the key min/max row of every block
+    written (over its filled slots only)."""
+    size = meta.block_size
+    w = _block_writes(meta)
+    kv_cache[0].index_put_((w.blocks, w.offsets), k.to(kv_cache.dtype))
+    kv_cache[1].index_put_((w.blocks, w.offsets), v.to(kv_cache.dtype))
+    keys = kv_cache[0, w.touched, :size]                                  # [U, B, KVH, D]
+    empty = ~w.filled[:, :, None, None]
+    kv_cache[0, w.touched, size] = keys.masked_fill(empty, float("inf")).amin(dim=1)
+    kv_cache[1, w.touched, size] = keys.masked_fill(empty, float("-inf")).amax(dim=1)
+
+
+def block_bounds(queries: torch.Tensor, key_min: torch.Tensor,
+                 key_max: torch.Tensor) -> torch.Tensor:
+    """QUEST upper bounds, summed over each KV head's query group.
+
+    queries [n, KVH, G, D]; key_min / key_max [n, M, KVH, D] (M blocks per sequence)
+    -> [n, KVH, M] float32.
+    """
+    q = queries.float()
+    q_pos = q.clamp(min=0).sum(dim=2)[:, None]                            # [n, 1, KVH, D]
+    q_neg = q.clamp(max=0).sum(dim=2)[:, None]
+    # elementwise then a sum over D: M x KVH dot products of length D (a batched matmul would
+    # first need the bounds permuted to [n, KVH, D, M], a copy as large as this)
+    bounds = (key_max.float() * q_pos).sum(-1) + (key_min.float() * q_neg).sum(-1)   # [n, M, KVH]
+    return bounds.transpose(1, 2)
+
+
+def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical block indices [n, KVH, k] with the largest bound per (sequence, KV head).
+
+    bounds [n, KVH, M]; num_blocks [n] real blocks per sequence (columns past it are padding
+    and only chosen when a sequence has fewer than k blocks); the last real block, the one the
+    current token lives in, is always chosen.
+    """
+    n, _, max_blocks = bounds.shape
+    cols = torch.arange(max_blocks, device=bounds.device)
+    scores = bounds.masked_fill((cols[None, :] >= num_blocks[:, None])[:, None, :], float("-inf"))
+    current = (cols[None, :] == (num_blocks - 1)[:, None])[:, None, :]
+    scores = scores.masked_fill(current, float("inf"))
+    return scores.topk(k, dim=-1).indices
+
+
+@register_backend("quest")
+class QuestAttentionBackend(PagedAttentionBackend):
+    """Paged attention whose decodes read only the top blocks by the QUEST bound.
+
+    ``token_budget``, ``dense_layers`` and ``layer_idx`` are set per model by
+    ``configure_quest`` (layer_idx None: treat as a sparse layer, for unit tests).
+    """
+
+    token_budget: int = 2048
+    dense_layers: int = 2
+    layer_idx: int | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if self.head_size_v != self.head_size:
+            raise NotImplementedError("quest needs equal K and V head sizes")
+        return (2, num_blocks, block_size + 1, self.num_kv_heads, self.head_size)
+
+    @property
+    def is_sparse_layer(self) -> bool:
+        return self.layer_idx is None or self.layer_idx >= self.dense_layers
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        size = meta.block_size
+        if kv_cache.dim() != 5 or kv_cache.shape[2] != size + 1:
+            raise ValueError(f"quest kv_cache shape {tuple(kv_cache.shape)}, expected "
+                             f"[2, num_blocks, {size + 1}, {self.num_kv_heads}, {self.head_size}]")
+        slots = kv_cache[:, :, :size]          # the K/V slots: the paged layout (a strided view)
+        self._check_inputs(q, k, v, slots, meta)
+        write_kv_and_bounds(kv_cache, k, v, meta)
+        plan = self._plan(meta, slots, q.dtype)
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
+        if plan.decode_slices:
+            longest = max(meta.seq_lens_list[:meta.num_decodes])
+            if self.is_sparse_layer and longest > self.token_budget:
+                self._sparse_decode(q, kv_cache, meta, out)
+            else:
+                self._decode(q, slots, plan.decode_slices, out)
+        if plan.prefill_chunks:
+            self._prefill(q, k, v, slots, plan.prefill_chunks, out)
+        return out
+
+    def _sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       out: torch.Tensor) -> None:
+        n, size = meta.num_decodes, meta.block_size
+        kvh, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        seq_lens = meta.seq_lens[:n]
+        num_blocks = (seq_lens + size - 1) // size
+        max_blocks = -(-max(meta.seq_lens_list[:n]) // size)
+        k_sel = min(max(1, self.token_budget // size), max_blocks)
+        table = meta.block_tables[:n, :max_blocks]                           # [n, M]
+        queries = q[:n].view(n, kvh, group, self.head_size)
+        # one layer's cache as rows: block b's bounds row is b * (B + 1) + B, slot o of KV head h
+        # is row (b * (B + 1) + o) * KVH + h of the [.., D] view; plain index_selects gather them
+        planes = kv_cache.view(2, -1, kvh * self.head_size)                  # [2, NB*(B+1), KVH*D]
+        bound_rows = (table * (size + 1) + size).reshape(-1)
+        key_min = planes[0].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
+        key_max = planes[1].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
+        chosen = select_blocks(block_bounds(queries, key_min, key_max), num_blocks, k_sel)
+        #   chosen [n, KVH, k] logical -> physical block -> rows [n, KVH, k, B] -> [n, KVH, k*B, D]
+        block_ids = table.gather(1, chosen.reshape(n, -1)).view(n, kvh, k_sel)
+        heads = torch.arange(kvh, device=q.device)[None, :, None, None]
+        offsets = torch.arange(size, device=q.device)
+        rows = ((block_ids[..., None] * (size + 1) + offsets) * kvh + heads).reshape(-1)
+        slots = kv_cache.view(2, -1, self.head_size)                         # [2, rows, D]
+        keys = slots[0].index_select(0, rows).view(n, kvh, k_sel * size, -1)
+        values = slots[1].index_select(0, rows).view(n, kvh, k_sel * size, -1)
+        # logical position of each gathered slot; past the sequence's end (its partial last
+        # block, or padding columns of a short sequence) is masked
+        pos = (chosen[..., None] * size + offsets).view(n, kvh, -1)
+        mask = torch.zeros(pos.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            pos >= seq_lens[:, None, None], float("-inf"))[:, :, None, :]
+        attn = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                              attn_mask=mask, scale=self.scale)
+        out[:n] = attn.reshape(n, self.num_heads, self.head_size_v)
+
+
+def configure_quest(model: torch.nn.Module, token_budget: int, dense_layers: int) -> int:
+    """Give every QUEST backend of ``model`` its budget and its layer index (module order =
+    layer order). Returns how many it found."""
+    if token_budget <= 0:
+        raise ValueError(f"sparse_token_budget must be > 0, got {token_budget}")
+    if dense_layers < 0:
+        raise ValueError(f"quest_dense_layers must be >= 0, got {dense_layers}")
+    backends = [b for m in model.modules() for b in vars(m).values()
+                if isinstance(b, QuestAttentionBackend)]
+    for idx, backend in enumerate(backends):
+        backend.layer_idx, backend.token_budget, backend.dense_layers = idx, token_budget, dense_layers
+    return len(backends)

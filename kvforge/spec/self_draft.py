@@ -1,0 +1,52 @@
+"""Self-draft (LayerSkip-style): the first L decoder layers of the target, then its final norm
+and LM head. Shares every weight with the target and needs no KV of its own:
+
+    target layer l < L at position p reads only the tokens at positions <= p and the weights of
+    layers 0..l, exactly what the draft computes there. So the draft's K/V for layers < L are
+    the target's K/V for those layers, and the draft reads/writes the target's caches[:L].
+
+When the draft writes positions T-1..T+k-2 (the last token and its drafts), the verification
+forward in the same step rewrites those slots for every layer with the same tokens, so nothing
+the draft leaves behind survives; rejected slots are past num_computed_tokens and overwritten
+before they are ever read. (The values may differ in the last bits: the draft runs a 1-token
+batch, the target a (1 + k)-token one. Only the target's are kept, so greedy output is the
+target's own.) An untrained model exits early badly: acceptance is usually low (see README).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+
+
+class SelfDraftModel:
+    """Runs ``num_layers`` of a Llama-family target (``model.model.layers`` etc.)."""
+
+    shares_target_kv = True
+
+    def __init__(self, target: torch.nn.Module, num_layers: int) -> None:
+        stack = getattr(target, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if stack is None or not all(hasattr(stack, a) for a in needed):
+            raise ValueError(f"self-draft needs a Llama-family decoder stack, got "
+                             f"{type(target).__name__}")
+        if not 1 <= num_layers < len(stack.layers):
+            raise ValueError(f"self-draft layers must be in [1, {len(stack.layers)}), got "
+                             f"{num_layers!r}")
+        self.target = target
+        self.num_layers = num_layers
+        self.vocab_size = target.config.vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        stack = self.target.model
+        hidden = stack.embed_tokens(input_ids)
+        cos, sin = stack.rotary_emb.cos_sin(positions)
+        residual = None
+        for layer, kv_cache in zip(stack.layers[:self.num_layers], kv_caches[:self.num_layers]):
+            hidden, residual = layer(hidden, residual, stack.rotary_emb, cos, sin, kv_cache, meta)
+        hidden, _ = stack.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)

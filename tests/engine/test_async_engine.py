@@ -1,0 +1,70 @@
+"""AsyncLLMEngine: requests join and leave a running loop; bad input and shutdown are clean."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvforge import SamplingParams
+from kvforge.config import EngineConfig
+from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvforge.engine.llm_engine import LLMEngine
+
+
+@pytest.fixture
+def aengine(tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    e = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, block_size=4, num_kv_blocks=128,
+                                              max_num_batched_tokens=32, num_threads=1)))
+    yield e
+    e.shutdown()
+
+
+def test_short_request_added_later_finishes_first(aengine):
+    async def main():
+        order = []
+
+        async def run(name, prompt, n):
+            stream = await aengine.add_request(name, prompt, SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True))
+            async for out in stream:
+                if out.finished:
+                    order.append(name)
+                    return len(out.outputs[0].token_ids)
+        long = asyncio.create_task(run("long", [5, 6, 7], 200))
+        while aengine.stats.num_running == 0:            # the long one is generating
+            await asyncio.sleep(0.01)
+        short = await run("short", [8, 9], 3)
+        assert await long == 200 and short == 3
+        return order
+    assert asyncio.run(main()) == ["short", "long"]
+    assert asyncio.run(aengine.call(lambda e: e.num_free_blocks)) == 128
+
+
+def test_bad_request_raises_and_leaves_nothing(aengine):
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await aengine.add_request("bad", [1, 10**9], SamplingParams(max_tokens=2))
+        return await aengine.call(lambda e: (e.num_unfinished_requests, e.num_free_blocks))
+    assert asyncio.run(main()) == (0, 128)
+
+
+def test_closing_a_stream_aborts_and_shutdown_ends_streams(aengine):
+    async def main():
+        stream = await aengine.add_request("a", [3, 4], SamplingParams(max_tokens=300, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()                            # the reader goes away
+        for _ in range(200):
+            if await aengine.call(lambda e: e.num_unfinished_requests) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await aengine.call(lambda e: e.num_free_blocks) == 128
+        other = await aengine.add_request("b", [3, 4], SamplingParams(max_tokens=300, ignore_eos=True))
+        await other.__anext__()
+        aengine.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in other:
+                pass
+        with pytest.raises(EngineDeadError):
+            await aengine.add_request("c", [3], SamplingParams())
+    asyncio.run(main())

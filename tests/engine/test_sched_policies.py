@@ -1,0 +1,85 @@
+"""Greedy output never depends on the queue policy (fcfs | priority | mlfq), on staggered
+arrivals, or on the preemptions a tiny KV pool and MLFQ's slot yielding force."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.sched.mlfq import MLFQConfig
+
+BLOCK = 4
+PROMPT_LENS = (5, 33, 18, 2, 47, 9, 3, 26)
+MAX_TOKENS = (24, 6, 30, 4, 12, 20, 8, 16)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _replay(path, policy: str, mlfq: MLFQConfig | None = None, **engine_kwargs):
+    """Request i arrives before step 2 * i; returns ({id: greedy tokens}, {id: metrics})."""
+    llm = LLM(path, block_size=BLOCK, scheduling_policy=policy, **engine_kwargs)
+    engine = llm.engine
+    if mlfq is not None:
+        engine.scheduler.waiting.config = mlfq
+    prompts = _prompts()
+    tokens, metrics = {}, {}
+    step = 0
+    while len(tokens) < len(prompts):
+        for i, prompt in enumerate(prompts):
+            if 2 * i == step:
+                params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+                engine.add_request(str(i), prompt, params, priority=-i if i % 3 == 0 else 0)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+                metrics[out.request_id] = out.metrics
+        engine.check_integrity()
+        step += 1
+        assert step < 2000, "requests were lost"
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.runner.num_blocks, "leaked KV blocks"
+    if policy == "mlfq":
+        assert not engine.scheduler.waiting._ranks, "MLFQ kept state of finished requests"
+    return tokens, metrics
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    path, _ = tiny_model_factory("llama", num_hidden_layers=3)
+    baseline, _ = _replay(path, "fcfs", num_kv_blocks=256)
+    return path, baseline
+
+
+SMALL_QUANTA = MLFQConfig(num_levels=3, base_quantum=8, quantum_growth=2, starvation_steps=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,kwargs", [
+    ("priority", dict(num_kv_blocks=20, max_num_seqs=2)),
+    ("mlfq", dict(num_kv_blocks=256, max_num_seqs=2)),                 # slot yielding only
+    ("mlfq", dict(num_kv_blocks=20, max_num_seqs=3)),
+    # swap preemption: host pool, disk only (0 host blocks), the cost model; cache on and off
+    ("fcfs", dict(num_kv_blocks=20, preemption_mode="swap")),
+    ("mlfq", dict(num_kv_blocks=20, max_num_seqs=3, preemption_mode="swap", swap_host_blocks=0,
+                  enable_prefix_caching=False)),
+    ("fcfs", dict(num_kv_blocks=20, preemption_mode="auto", enable_prefix_caching=False)),
+])
+def test_greedy_identical_under_every_policy(tiny, policy, kwargs):
+    path, baseline = tiny
+    mlfq = SMALL_QUANTA if policy == "mlfq" else None
+    tokens, metrics = _replay(path, policy, mlfq, **kwargs)
+    assert tokens == baseline
+    if kwargs.get("num_kv_blocks") == 20 or policy == "mlfq":
+        assert sum(m.num_preemptions for m in metrics.values()) > 0, "meant to force preemption"
+    for m in metrics.values():
+        assert m.queue_time is not None and m.queue_time >= 0
+        assert m.num_swaps <= m.num_preemptions
+    if kwargs.get("preemption_mode") == "swap":
+        assert sum(m.num_swaps for m in metrics.values()) > 0, "meant to force swaps"
+        assert all((m.swapped_bytes > 0) == (m.num_swaps > 0) for m in metrics.values())
+    if kwargs.get("preemption_mode") is None:
+        assert all(m.num_swaps == 0 and m.swapped_bytes == 0 for m in metrics.values())
