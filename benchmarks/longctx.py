@@ -91,17 +91,16 @@ def passkey_prompt(llm, target_tokens: int, rng: random.Random) -> tuple[list[in
     key = str(rng.randrange(10000, 100000))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     question = "What is the pass key? The pass key is"
+    depth = rng.random()                             # where the needle sits, 0 = start
 
     def build(n_filler: int) -> list[int]:
-        depth = rng_depth * n_filler
         sentences = [FILLER] * n_filler
-        sentences.insert(int(depth), needle)
+        sentences.insert(int(depth * n_filler), needle)
         text = ("There is an important piece of information hidden inside a lot of irrelevant "
                 "text. Find it and memorize it.\n\n" + "".join(sentences) + "\n\n" + question)
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                  add_generation_prompt=True)
 
-    rng_depth = rng.random()
     per_filler = len(llm.tokenizer.encode(FILLER * 20)) / 20
     n = max(1, int(target_tokens / per_filler))
     ids = build(n)

@@ -2,7 +2,9 @@
 
 Workload: ``--num-requests`` requests with short prompts (uniform in [--min-prompt,
 --max-prompt]) and output lengths from a Pareto law (shape ``--pareto-alpha``, scale
-``--pareto-scale`` tokens, capped at ``--max-output``): many short jobs, a few very long ones.
+``--pareto-scale`` tokens, capped at ``--max-output``), except a ``--long-fraction`` of jobs
+whose output is uniform in [max_output / 2, max_output]: many short jobs, a few very long ones
+(in every sample, not only when the Pareto draw happens to produce them).
 Arrivals are a Poisson process whose rate puts the decode load at ``--load`` of what
 ``max_num_seqs`` slots can serve. Both policies get the same requests at the same arrival times
 (same seed).
@@ -71,6 +73,8 @@ def make_jobs(args, vocab_size: int) -> list[Job]:
         prompt = [int(t) for t in rng.integers(100, vocab_size, prompt_len)]
         # numpy's pareto is Lomax (support from 0): scale * (1 + X) is Pareto from ``scale``
         out_len = int(args.pareto_scale * (1.0 + rng.pareto(args.pareto_alpha)))
+        if rng.random() < args.long_fraction:          # the few very long jobs
+            out_len = int(rng.integers(args.max_output // 2, args.max_output + 1))
         jobs.append(Job(prompt, max(1, min(out_len, args.max_output))))
     return jobs
 
@@ -158,14 +162,16 @@ def summarize(results: list[JobResult], makespan: float) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M GGUF)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=8)
-    p.add_argument("--max-prompt", type=int, default=48)
+    p.add_argument("--num-requests", type=int, default=80)
+    p.add_argument("--min-prompt", type=int, default=4)
+    p.add_argument("--max-prompt", type=int, default=24)
     p.add_argument("--pareto-alpha", type=float, default=1.1)
     p.add_argument("--pareto-scale", type=float, default=6.0)
     p.add_argument("--max-output", type=int, default=400)
+    p.add_argument("--long-fraction", type=float, default=0.05,
+                   help="share of jobs whose output is uniform in [max_output/2, max_output]")
     p.add_argument("--load", type=float, default=0.95, help="offered decode load / capacity")
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--mlfq-base-quantum", type=int, default=16,
                    help="tokens of work at level 0 (MLFQConfig default 64 suits longer prompts)")
     p.add_argument("--mlfq-growth", type=int, default=4)
@@ -206,7 +212,8 @@ def main() -> None:
     lengths = sorted(j.output_len for j in jobs)
     print(f"workload: {len(jobs)} requests, Poisson {rate:.2f} req/s (load {args.load}), "
           f"prompts {args.min_prompt}-{args.max_prompt} tokens, outputs Pareto(alpha "
-          f"{args.pareto_alpha}, scale {args.pareto_scale}) capped {args.max_output}: median "
+          f"{args.pareto_alpha}, scale {args.pareto_scale}) capped {args.max_output}, "
+          f"{args.long_fraction:.0%} long in [{args.max_output // 2}, {args.max_output}]: median "
           f"{lengths[len(lengths) // 2]}, mean {mean_out:.1f}, max {lengths[-1]}")
     mlfq_cfg = llms["mlfq"].engine.scheduler.waiting.config
     print(f"mlfq: {mlfq_cfg.num_levels} levels, quanta {mlfq_cfg.base_quantum} x "

@@ -74,8 +74,8 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, *, arrival_time: float | None = None
-                          ) -> AsyncIterator[RequestOutput]:
+                          params: SamplingParams, *, arrival_time: float | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request (a bad one raises ValueError here, nothing is queued);
         returns the stream of its outputs. Closing the stream early aborts the request."""
         loop = asyncio.get_running_loop()
@@ -83,7 +83,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
             self._streams[request_id] = (loop, out_queue)   # engine thread: registered atomically
 
         await self.call(add)

@@ -34,8 +34,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """``priority``: one int or one per prompt (lower first under the priority/mlfq
+        policies; ignored by fcfs)."""
         prompt_list = _as_prompt_list(prompts)
+        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -48,8 +53,8 @@ class LLM:
         # validate everything before queueing anything, so a bad prompt leaves no half batch
         ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
-                ids.append(self.engine.add_request(None, prompt, params))
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+                ids.append(self.engine.add_request(None, prompt, params, priority=prio))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

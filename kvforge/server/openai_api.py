@@ -84,8 +84,8 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), code="invalid_value") from e
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str
-                    ) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                    priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """Admit and queue one engine request per prompt; all or nothing."""
         if self.num_unstarted + len(prompts) > self.config.max_waiting_requests:
             self.metrics.on_rejected()
@@ -99,7 +99,8 @@ class OpenAIServing:
             for i, ids_ in enumerate(prompts):
                 rid = f"{base}-{i}"
                 streams.append(await self.engine.add_request(rid, ids_, params,
-                                                             arrival_time=arrival))
+                                                             arrival_time=arrival,
+                                                             priority=priority))
                 ids.append(rid)
         except ValueError as e:
             for rid in ids:
@@ -177,7 +178,7 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens, body.logprobs)
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
                       for p in raw_prompts]
-        streams = await self.start(prompt_ids, params, "cmpl")
+        streams = await self.start(prompt_ids, params, "cmpl", body.priority)
         job = _Job(self, "cmpl", body, params, prompt_ids, echo_texts)
         if body.stream:
             return _sse(job.stream_completion(streams))
@@ -192,7 +193,7 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
         params = self._params(body, body.max_completion_tokens or body.max_tokens, logprobs)
-        streams = await self.start([ids], params, "chatcmpl")
+        streams = await self.start([ids], params, "chatcmpl", body.priority)
         job = _Job(self, "chatcmpl", body, params, [ids], [""])
         if body.stream:
             return _sse(job.stream_chat(streams))

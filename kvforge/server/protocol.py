@@ -41,6 +41,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int = 0             # scheduling_policy priority/mlfq: lower value goes first
 
     @field_validator("stop")
     @classmethod

@@ -217,3 +217,14 @@ def test_rejects_a_paged_shaped_cache():
     case = make_case([1], [5], block_size=4)
     with pytest.raises(ValueError, match="quest kv_cache shape"):
         quest_backend(case, 8).forward(case.q, case.k_new, case.v_new, case.kv_cache, case.meta())
+
+
+def test_bounds_in_a_bfloat16_cache_are_the_rounded_keys_extremes():
+    case = make_case([1], [11], block_size=4, seed=9)
+    backend = quest_backend(case, budget=4)
+    cache = noisy_quest_cache(case).to(torch.bfloat16)
+    prefill_contexts(backend, cache, case, chunk=5)
+    for j, block in enumerate(case.block_tables[0][:3]):          # 11 tokens: 3 blocks
+        keys = case.k_full[0][j * 4:min(11, j * 4 + 4)].to(torch.bfloat16)
+        assert torch.equal(cache[0, block, 4], keys.amin(0))
+        assert torch.equal(cache[1, block, 4], keys.amax(0))

@@ -83,3 +83,20 @@ def test_greedy_identical_under_every_policy(tiny, policy, kwargs):
         assert all((m.swapped_bytes > 0) == (m.num_swaps > 0) for m in metrics.values())
     if kwargs.get("preemption_mode") is None:
         assert all(m.num_swaps == 0 and m.swapped_bytes == 0 for m in metrics.values())
+
+
+def test_priority_from_the_api_orders_admission(tiny_model_factory):
+    path, _ = tiny_model_factory("llama", num_hidden_layers=3)
+    llm = LLM(path, block_size=BLOCK, num_kv_blocks=64, scheduling_policy="priority",
+              max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(_prompts()[:3], params, use_tqdm=False, priority=[5, 0, -2])
+    started = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert started == [2, 1, 0]
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate(_prompts()[:3], params, use_tqdm=False, priority=[1, 2])
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == 64
+
+    from kvforge.server.protocol import CompletionRequest
+    assert CompletionRequest(prompt="hi", priority=-3).priority == -3

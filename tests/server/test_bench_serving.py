@@ -24,6 +24,7 @@ def test_arrival_delays():
         parse_slos(["latency:5"])
 
 
+@pytest.mark.slow
 def test_benchmark_against_real_server(server, tmp_path):
     reqs = random_requests(49152, 6, 8, 12, 0.5, seed=1)
     results, duration = asyncio.run(run_benchmark(server.url, "tiny", reqs, request_rate=50.0,

@@ -1,0 +1,179 @@
+"""Speculative decoding: tokens/s with speculation off vs n-gram vs self-draft.
+
+    python benchmarks/spec.py                         # defaults: a few minutes on 2 cores
+    python benchmarks/spec.py --batch-sizes 1 4 8 --num-prompts 8 --max-tokens 128
+
+Workloads (greedy, EOS honoured, chat template applied, default model SmolLM2-135M-Instruct):
+  chat   ShareGPT first human turns (``--num-prompts``, seed ``--seed``)
+  copy   input-grounded edits written for this benchmark: code or text given in the prompt that
+         the answer mostly copies (rename a variable, add type hints, fix a typo, reformat)
+
+For each batch size b the prompts run in groups of b (one ``LLM.generate`` per group) after a
+warm-up; tok/s = output tokens / wall time. Greedy speculation is lossless, so every method
+must produce the same tokens as "off" (column "same"). Acceptance = accepted / proposed; mean
+len = tokens a speculating request gains per verification step. Ends with one ``SUMMARY spec:``
+line (speedups vs "off" measured in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import setup_threads
+from benchmarks.hardware import hardware_line
+from benchmarks.report import format_table
+from benchmarks.workload import sample_sharegpt_requests
+
+_CODE = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item.quantity <= 0:
+            continue
+        total += item.price * item.quantity
+    total = total * (1 + tax_rate)
+    return round(total, 2)
+'''
+_CODE2 = '''class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, word):
+        self.counts[word] = self.counts.get(word, 0) + 1
+
+    def most_common(self, n):
+        pairs = sorted(self.counts.items(), key=lambda kv: kv[1], reverse=True)
+        return pairs[:n]
+'''
+_TEXT = ("The meeting is moved from Tuesday to Thursday at 10am in room 4B. Please bring the "
+         "quarterly report, the budget spreadsheet and your notes from the client call. Lunch "
+         "will be provided after the meeting, and the afternoon session starts at 2pm.")
+
+COPY_PROMPTS = [
+    f"Rename the variable `total` to `amount` in this Python function and output the whole "
+    f"function:\n\n{_CODE}",
+    f"Add type hints to this Python class and output the full code:\n\n{_CODE2}",
+    f"Rewrite this function so that it uses `items_list` instead of `items`. Output only the "
+    f"code:\n\n{_CODE}",
+    f"Repeat the following announcement exactly, but change Thursday to Friday:\n\n{_TEXT}",
+    f"Add a docstring to each method of this class and output the full code:\n\n{_CODE2}",
+    f"Copy this text and put each sentence on its own line:\n\n{_TEXT}",
+    f"Convert this function to use a generator expression with sum(). Output the code:\n\n{_CODE}",
+    f"Fix the indentation and output this code unchanged otherwise:\n\n{_CODE2}",
+]
+
+METHODS = {
+    "off": {},
+    "ngram": {"speculative_method": "ngram"},
+    "self-draft": {"speculative_method": "draft"},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="self-draft depth (default: a quarter of the layers)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--workloads", nargs="+", default=["chat", "copy"], choices=["chat", "copy"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
+    def chat(text: str) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+    out = {}
+    if "chat" in args.workloads:
+        reqs = sample_sharegpt_requests(lambda t: tokenizer.encode(t, add_special_tokens=False),
+                                        args.num_prompts, seed=args.seed, max_prompt_len=384)
+        out["chat"] = [chat(r.prompt) for r in reqs]
+    if "copy" in args.workloads:
+        out["copy"] = [chat(p) for p in COPY_PROMPTS[:args.num_prompts]]
+    return out
+
+
+def _run(llm, prompts, batch_size, max_tokens):
+    from kvforge import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outs = llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
+        tokens.extend(o.outputs[0].token_ids for o in outs)
+    return tokens, time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    threads = setup_threads(args.threads)
+    from kvforge import LLM
+    results = {}                       # (workload, batch, method) -> row values
+    outputs = {}
+    workloads = None
+    for method in args.methods:
+        kwargs = dict(METHODS[method], num_threads=threads, kv_cache_memory="512MiB",
+                      max_model_len=2048)
+        if method != "off":
+            kwargs["num_speculative_tokens"] = args.num_speculative_tokens
+        if method == "self-draft" and args.draft_layers:
+            kwargs["speculative_draft_layers"] = args.draft_layers
+        llm = LLM(args.model, **kwargs)
+        if workloads is None:
+            workloads = _workloads(llm.engine.tokenizer, args)
+        _run(llm, [workloads[next(iter(workloads))][0]], 1, 8)          # warm-up
+        for name, prompts in workloads.items():
+            for b in args.batch_sizes:
+                before = _snapshot(llm.engine.spec_stats)
+                tokens, seconds = _run(llm, prompts, b, args.max_tokens)
+                stats = _delta(llm.engine.spec_stats, before)
+                outputs[(name, b, method)] = tokens
+                n = sum(len(t) for t in tokens)
+                results[(name, b, method)] = (n, seconds, stats)
+                print(f"  {name} b={b} {method}: {n} tokens in {seconds:.1f}s", flush=True)
+        llm.engine.check_integrity()
+        del llm
+
+    rows, speedups = [], {}
+    for (name, b, method), (n, seconds, stats) in results.items():
+        base_n, base_s, _ = results.get((name, b, "off"), (n, seconds, None))
+        speed = (n / seconds) / (base_n / base_s)
+        speedups[(name, b, method)] = speed
+        same = "yes" if outputs[(name, b, method)] == outputs.get((name, b, "off"),
+                                                                  outputs[(name, b, method)]) else "NO"
+        acc = f"{stats[1] / stats[0]:.0%}" if stats and stats[0] else "-"
+        mean_len = f"{stats[3] / stats[2]:.2f}" if stats and stats[2] else "-"
+        rows.append([name, b, method, n, round(n / seconds, 1), f"{speed:.2f}x", acc, mean_len,
+                     same])
+    print(format_table(["workload", "batch", "method", "tokens", "tok/s", "vs off",
+                        "acceptance", "mean len", "same"], rows))
+    print(hardware_line() + f" | threads {threads}")
+    parts = [f"{name} b{b} {m} {s:.2f}x" for (name, b, m), s in speedups.items() if m != "off"]
+    print("SUMMARY spec: tokens/s vs off: " + ", ".join(parts))
+
+
+def _snapshot(stats):
+    if stats is None:
+        return None
+    return (stats.num_proposed, stats.num_accepted, stats.num_verify_steps, stats.num_emitted)
+
+
+def _delta(stats, before):
+    if stats is None:
+        return None
+    now = _snapshot(stats)
+    return tuple(a - b for a, b in zip(now, before))
+
+
+if __name__ == "__main__":
+    main()
