@@ -9,7 +9,7 @@ over random K/V: the paged backend (dense) against the QUEST backend at each bud
 includes writing the new token (and, for QUEST, its block's min/max bounds).
 
 Part 2 (the default model, end to end): passkey retrieval. A five-digit number sits at a random
-depth of filler text; the chat model is asked for it (greedy, 10 tokens) and a trial counts as
+depth of filler text; the chat model is asked for it (greedy, 12 tokens) and a trial counts as
 correct when the number appears in the answer. Each prompt is prefilled once (dense: QUEST
 never changes prefill) and every configuration decodes from the same cached prompt (the prefix
 cache recomputes only the last partial block), so the configurations see identical inputs.
@@ -90,7 +90,7 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
 def passkey_prompt(llm, target_tokens: int, rng: random.Random) -> tuple[list[int], str]:
     key = str(rng.randrange(10000, 100000))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    question = "What is the pass key? The pass key is"
+    question = "What is the pass key?"
     depth = rng.random()                             # where the needle sits, 0 = start
 
     def build(n_filler: int) -> list[int]:
@@ -140,7 +140,7 @@ def main() -> None:
     p.add_argument("--attn-contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--attn-batch", type=int, default=4)
     p.add_argument("--attn-reps", type=int, default=30)
-    p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-passkey", action="store_true")
     args = p.parse_args()

@@ -55,6 +55,7 @@ class JobResult:
     first_token: float
     finished: float
     num_preemptions: int
+    num_swaps: int = 0
 
     @property
     def jct(self) -> float:
@@ -136,7 +137,7 @@ def replay(llm: LLM, jobs: list[Job], c0: float, c1: float) -> tuple[list[JobRes
                     job = jobs[int(out.request_id)]
                     results[out.request_id] = JobResult(
                         job.arrival, job.output_len, first_token[out.request_id], clock,
-                        out.metrics.num_preemptions)
+                        out.metrics.num_preemptions, out.metrics.num_swaps)
     finally:
         engine.scheduler.schedule = schedule
     engine.check_integrity()
@@ -156,6 +157,7 @@ def summarize(results: list[JobResult], makespan: float) -> dict[str, float]:
         "mean_jct_longest5": float(jct[longest].mean()),
         "throughput": float(lengths.sum() / makespan),
         "preemptions": int(sum(r.num_preemptions for r in results)),
+        "swaps": int(sum(r.num_swaps for r in results)),
     }
 
 
@@ -177,6 +179,7 @@ def main() -> None:
     p.add_argument("--mlfq-growth", type=int, default=4)
     p.add_argument("--mlfq-levels", type=int, default=4)
     p.add_argument("--mlfq-starvation-steps", type=int, default=256)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -187,6 +190,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=1024,
+                         preemption_mode=args.preemption_mode,
                          num_threads=args.threads or torch.get_num_threads())
     llms = {policy: LLM(args.model, scheduling_policy=policy, **engine_kwargs)
             for policy in ("fcfs", "mlfq")}
@@ -216,7 +220,7 @@ def main() -> None:
           f"{args.long_fraction:.0%} long in [{args.max_output // 2}, {args.max_output}]: median "
           f"{lengths[len(lengths) // 2]}, mean {mean_out:.1f}, max {lengths[-1]}")
     mlfq_cfg = llms["mlfq"].engine.scheduler.waiting.config
-    print(f"mlfq: {mlfq_cfg.num_levels} levels, quanta {mlfq_cfg.base_quantum} x "
+    print(f"preemption mode: {args.preemption_mode}; mlfq: {mlfq_cfg.num_levels} levels, quanta {mlfq_cfg.base_quantum} x "
           f"{mlfq_cfg.quantum_growth}^i tokens, starvation bound {mlfq_cfg.starvation_steps} steps")
 
     stats, outputs = {}, {}
@@ -226,7 +230,7 @@ def main() -> None:
         stats[policy]["wall_s"] = wall
         outputs[policy] = results
     keys = ["mean_jct", "p99_jct", "mean_ttft", "p99_ttft", "mean_jct_longest5", "throughput",
-            "preemptions", "wall_s"]
+            "preemptions", "swaps", "wall_s"]
     rows = [[k, stats["fcfs"][k], stats["mlfq"][k],
              stats["fcfs"][k] / stats["mlfq"][k] if stats["mlfq"][k] else float("nan")]
             for k in keys]

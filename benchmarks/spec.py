@@ -77,9 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-layers", type=int, default=None,
                    help="self-draft depth (default: a quarter of the layers)")

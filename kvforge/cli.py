@@ -36,6 +36,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="QUEST: tokens each decode step reads (whole blocks)")
     g.add_argument("--quest-dense-layers", type=int, default=2,
                    help="QUEST: the first layers stay dense")
+    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: n-gram prompt lookup, or a draft model "
+                        "(self-draft from the target's first layers unless --speculative-draft-model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="tokens proposed per step per request")
+    g.add_argument("--speculative-draft-model", default=None,
+                   help="draft model path (same tokenizer as the target)")
+    g.add_argument("--speculative-draft-layers", type=int, default=None,
+                   help="self-draft depth (default: a quarter of the target's layers)")
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -55,7 +64,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 quantization_args=parse_quantization_args(args.quantization_arg),
                 sparse_attention=args.sparse_attention,
                 sparse_token_budget=args.sparse_token_budget,
-                quest_dense_layers=args.quest_dense_layers)
+                quest_dense_layers=args.quest_dense_layers,
+                speculative_method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                speculative_draft_model=args.speculative_draft_model,
+                speculative_draft_layers=args.speculative_draft_layers)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

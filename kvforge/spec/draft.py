@@ -43,6 +43,12 @@ class ModelDraftProposer(DraftProposer):
                 ) -> dict[str, torch.Tensor]:
         """Called every step: a separate draft model also computes the steps without drafts."""
         kv = self.own_kv_caches if self.own_kv_caches is not None else target_kv_caches
+        if self.own_kv_caches is not None and sched.block_copies:
+            # the runner copied the target's shared blocks (copy-on-write); mirror it here
+            src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
+            for cache in self.own_kv_caches:
+                cache[:, dst] = cache[:, src]
         spec = [r for r in sched.scheduled if sched.spec_token_ids.get(r.request_id)]
         if not spec:
             if self.own_kv_caches is not None and sched.scheduled:

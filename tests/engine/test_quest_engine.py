@@ -90,3 +90,16 @@ def test_cli_flags_reach_the_engine_config(tmp_path, capsys):
     rc = main(["generate", "x", "--model", str(tmp_path / "m"), "--sparse-attention", "quest",
                "--sparse-token-budget", "0"])
     assert rc == 2 and "sparse_token_budget" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_speculative_verify_chunks_with_quest(tiny):
+    # verification rows carry several tokens, so they run the dense prefill path; rejected
+    # drafts are rewritten later and the bounds recomputed, so full budget still equals dense
+    path, dense = tiny
+    _, tokens = _run(path, sparse_attention="quest", sparse_token_budget=512,
+                     speculative_method="ngram", num_speculative_tokens=3)
+    assert tokens == dense
+    _, tokens = _run(path, sparse_attention="quest", sparse_token_budget=32,
+                     speculative_method="ngram", num_speculative_tokens=3)
+    assert [len(t) for t in tokens] == [24] * 4

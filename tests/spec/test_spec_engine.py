@@ -10,7 +10,7 @@ import pytest
 from kvforge import LLM, SamplingParams
 
 BLOCK = 4
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def _prompts() -> list[list[int]]:
@@ -55,8 +55,8 @@ def test_ngram_greedy_identical_and_accepts(tiny, k):
 
 def test_ngram_with_preemption_and_small_budget(tiny):
     path, baseline = tiny
-    # the longest request needs (42 + 24 + 4) / 4 = 18 blocks: 24 blocks force preemption
-    tokens, outs, engine = _run(path, num_kv_blocks=24, speculative_method="ngram",
+    # the longest request needs (42 + 16) / 4 = 15 blocks: 18 blocks force preemption
+    tokens, outs, engine = _run(path, num_kv_blocks=18, speculative_method="ngram",
                                 num_speculative_tokens=3, max_num_batched_tokens=9)
     assert tokens == baseline
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "pool was meant to force preemption"
@@ -82,7 +82,7 @@ def test_draft_model_is_its_own_target_accepts_everything(tiny):
     the same blocks): every greedy proposal must be accepted, through chunked prefill and
     preemption, which only holds if the draft's cache keeps up with every step."""
     path, baseline = tiny
-    tokens, outs, engine = _run(path, num_kv_blocks=20, speculative_method="draft",
+    tokens, outs, engine = _run(path, num_kv_blocks=18, speculative_method="draft",
                                 speculative_draft_model=path, num_speculative_tokens=3)
     assert tokens == baseline
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -118,3 +118,17 @@ def test_bad_speculative_config():
         EngineConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=0)
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from kvforge.cli import add_engine_args, engine_kwargs
+    from kvforge.config import EngineConfig
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--speculative-method", "draft", "--num-speculative-tokens", "3",
+                         "--speculative-draft-layers", "2"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert (config.speculative_method, config.num_speculative_tokens,
+            config.speculative_draft_layers) == ("draft", 3, 2)
