@@ -18,7 +18,7 @@ from kvforge.config import EngineConfig
 from kvforge.detokenizer import IncrementalDetokenizer
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.request import Request
 from kvforge.engine.stop_checker import StopChecker
 from kvforge.kvcache.kv_manager import KVCacheManager
 from kvforge.loader.source import load_model_source

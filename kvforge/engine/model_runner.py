@@ -15,7 +15,6 @@ from kvforge.config import EngineConfig
 from kvforge.engine.request import Request
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
-from kvforge.models.registry import get_model_class
 from kvforge.quant.loading import load_model
 from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.rejection import verify_proposals

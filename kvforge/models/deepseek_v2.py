@@ -15,7 +15,6 @@ Llama's. Module names follow HF so checkpoint names map directly.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -24,10 +23,12 @@ from torch import nn
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla import MLAAttentionBackend, MLAUpProjection
-from kvforge.layers.linear import Linear, MergedLinear
+from kvforge.layers.linear import Linear
 from kvforge.layers.moe import FusedMoE
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary_interleaved import InterleavedRotaryEmbedding
+from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
+                                 finish_loading)
 from kvforge.models.config import ModelConfig
 from kvforge.models.deepseek_moe import DeepseekMoE, DeepseekMoEConfig
 from kvforge.models.llama import LlamaMLP
@@ -121,7 +122,7 @@ class DeepseekV2Model(nn.Module):
             base=config.rope_theta, rope_scaling=config.rope_scaling, dtype=dtype, device=device)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(PagedKVModelMixin, nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: str = "mla",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -156,12 +157,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size)
-
-    def kv_cache_bytes_per_token(self) -> int:
-        per_layer = math.prod(self.kv_cache_shape(1, 1))       # kv_lora_rank + qk_rope_head_dim
-        return per_layer * torch.empty((), dtype=self.dtype).element_size() * self.num_layers
+    def first_attention_backend(self):
+        return self.model.layers[0].self_attn.attn
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -176,30 +173,20 @@ class DeepseekV2ForCausalLM(nn.Module):
                 self.lm_head.load_weight("weight", tensor)
                 loaded.add("lm_head.weight")
             loaded.add(self._load_one(name, tensor))
-        missing = self._expected_weights() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:10]}")
         for module in self.modules():
             if isinstance(module, FusedMoE):
                 module.check_loaded()
-            if isinstance(module, (Linear, FusedMoE)):
                 module.process_weights_after_loading()
+        finish_loading(self, self._expected_weights(), loaded)
 
     def _expected_weights(self) -> set[str]:
-        expected = set()
-        for name, module in self.named_modules():
+        def claim(name, module):
             if isinstance(module, FusedMoE):
-                expected.add(f"{name}#experts")         # completeness: FusedMoE.check_loaded
-            elif isinstance(module, MergedLinear):
-                kinds = ("weight", "bias") if module.has_bias else ("weight",)
-                expected |= {f"{name}.{k}#{i}" for k in kinds for i in range(len(module.output_sizes))}
-            elif isinstance(module, Linear):
-                expected |= {f"{name}.weight"} | ({f"{name}.bias"} if module.has_bias else set())
-            elif isinstance(module, MLAUpProjection):
-                expected.add(f"{name}.weight")
-            else:
-                expected |= {f"{name}.{p}" for p in module._parameters}
-        return expected
+                return {f"{name}#experts"}          # completeness: FusedMoE.check_loaded
+            if isinstance(module, MLAUpProjection):
+                return {f"{name}.weight"}
+            return None
+        return expected_weight_keys(self, claim)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> str:
         """Route one checkpoint tensor; returns the key it fills in ``_expected_weights``."""
@@ -224,11 +211,5 @@ class DeepseekV2ForCausalLM(nn.Module):
         elif isinstance(module, Linear):
             module.load_weight(kind, tensor)
         else:
-            param = module._parameters.get(kind)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-            if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)}")
-            param.copy_(tensor)
+            copy_plain_parameter(module, kind, name, tensor, self.config.architecture)
         return name

@@ -17,7 +17,6 @@ it subclasses this and overrides the hooks marked "family hook".
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -27,6 +26,8 @@ from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.layers.activation import get_act_fn
 from kvforge.layers.linear import Linear, MergedLinear
+from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
+                                 finish_loading)
 from kvforge.models.config import ModelConfig
 
 
@@ -101,7 +102,7 @@ class GPT2Model(nn.Module):
                                  dtype=dtype, device=device)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PagedKVModelMixin, nn.Module):
     conv1d_weights = True       # family hook: projections stored [in, out]
 
     def __init__(self, config: ModelConfig, attn_backend: str = "paged",
@@ -139,32 +140,13 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return tuple(self.transformer.h[0].attn.attn.kv_cache_shape(num_blocks, block_size))
-
-    def kv_cache_dtype(self) -> torch.dtype:
-        return self.transformer.h[0].attn.attn.cache_dtype(self.dtype)   # fp8 backends: 8-bit
-
-    def kv_cache_bytes_per_token(self) -> int:
-        per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, K and V
-        return (per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size()
-                * self.num_layers)
+    def first_attention_backend(self):
+        return self.transformer.h[0].attn.attn
 
     # ------------------------------------------------------------------ weights
     def c_attn_rows(self, weight_or_bias: torch.Tensor) -> torch.Tensor:
         """Family hook: c_attn output rows (in [out, ...] layout) ordered as [q | k | v]."""
         return weight_or_bias
-
-    def _expected_weights(self) -> set[str]:
-        expected = set()
-        for name, module in self.named_modules():
-            if isinstance(module, MergedLinear):
-                expected |= {f"{name}.{k}#{i}" for k in ("weight", "bias") for i in range(3)}
-            elif isinstance(module, Linear):
-                expected |= {f"{name}.weight"} | ({f"{name}.bias"} if module.has_bias else set())
-            else:
-                expected |= {f"{name}.{p}" for p in module._parameters}
-        return expected
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; ValueError on an unknown name, bad shape or missing tensor."""
@@ -180,12 +162,7 @@ class GPT2LMHeadModel(nn.Module):
                 self.lm_head.load_weight("weight", tensor)
                 loaded.add("lm_head.weight")
             loaded |= self._load_one(name, tensor)
-        missing = self._expected_weights() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:10]}")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
+        finish_loading(self, expected_weight_keys(self), loaded)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> set[str]:
         module_path, _, kind = name.rpartition(".")
@@ -205,11 +182,5 @@ class GPT2LMHeadModel(nn.Module):
             for shard, rows in enumerate(self.c_attn_rows(tensor).split(module.output_sizes)):
                 module.load_shard(shard, kind, rows)
             return {f"{module_path}.{kind}#{i}" for i in range(len(module.output_sizes))}
-        param = None if module is None else module._parameters.get(kind)
-        if param is None:
-            raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(param.shape)}")
-        param.copy_(tensor)
+        copy_plain_parameter(module, kind, name, tensor, self.config.architecture)
         return {name}

@@ -13,7 +13,6 @@ gate/up into one ``gate_up_proj`` (one matmul each instead of three / two).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +24,8 @@ from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
+from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
+                                 finish_loading)
 from kvforge.models.config import ModelConfig
 
 # HF checkpoint projection -> (our fused module, shard index within it)
@@ -113,7 +114,7 @@ class LlamaModel(nn.Module):
                                           dtype=dtype, device=device)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedKVModelMixin, nn.Module):
     # the decoder stack; a family that differs only inside its layers (Mixtral's MoE) swaps it
     model_cls: type[nn.Module] = LlamaModel
 
@@ -153,29 +154,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return tuple(self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size))
-
-    def kv_cache_dtype(self) -> torch.dtype:
-        return self.model.layers[0].self_attn.attn.cache_dtype(self.dtype)
-
-    def kv_cache_bytes_per_token(self) -> int:
-        per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, K and V
-        return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
+    def first_attention_backend(self):
+        return self.model.layers[0].self_attn.attn
 
     # ------------------------------------------------------------------ weights
-    def _expected_weights(self) -> set[str]:
-        expected = set()
-        for name, module in self.named_modules():
-            if isinstance(module, MergedLinear):
-                kinds = ("weight", "bias") if module.has_bias else ("weight",)
-                expected |= {f"{name}.{k}#{i}" for k in kinds for i in range(len(module.output_sizes))}
-            elif isinstance(module, Linear):
-                expected |= {f"{name}.weight"} | ({f"{name}.bias"} if module.has_bias else set())
-            else:
-                expected |= {f"{name}.{p}" for p in module._parameters}
-        return expected
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises ValueError on an unknown name, a bad shape, or a
         parameter left unloaded (``lm_head.weight`` comes from the embedding when tied)."""
@@ -191,12 +173,7 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head.load_weight("weight", tensor)
                 loaded.add("lm_head.weight")
             loaded.add(self._load_one(name, tensor))
-        missing = self._expected_weights() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:10]}")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
+        finish_loading(self, expected_weight_keys(self), loaded)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> str:
         module_path, _, kind = name.rpartition(".")
@@ -212,12 +189,6 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}") from None
         if isinstance(module, Linear):
             module.load_weight(kind, tensor)
-            return name
-        param = module._parameters.get(kind)
-        if param is None:
-            raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(param.shape)}")
-        param.copy_(tensor)
+        else:
+            copy_plain_parameter(module, kind, name, tensor, self.config.architecture)
         return name

@@ -16,7 +16,6 @@ exact given the stored weight; its error is the weight rounding alone, never act
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
