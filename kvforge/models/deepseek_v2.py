@@ -31,7 +31,7 @@ from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expect
                                  finish_loading)
 from kvforge.models.config import ModelConfig
 from kvforge.models.deepseek_moe import DeepseekMoE, DeepseekMoEConfig
-from kvforge.models.llama import LlamaMLP
+from kvforge.models.llama import LlamaDecoderLayer, LlamaMLP
 
 # HF reference uses RMSNorm's default eps for the two low-rank norms, not rms_norm_eps
 LORA_NORM_EPS = 1e-6
@@ -86,10 +86,12 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual wiring (its ``forward``) around MLA and a dense or MoE MLP."""
+
     def __init__(self, config: ModelConfig, moe: DeepseekMoEConfig | None, layer_idx: int,
                  dtype: torch.dtype, device) -> None:
-        super().__init__()
+        nn.Module.__init__(self)      # own sub-modules; only the forward is shared
         self.self_attn = DeepseekV2Attention(config, dtype, device)
         if moe is not None and moe.is_moe_layer(layer_idx):
             self.mlp = DeepseekMoE(config, moe, dtype, device)
@@ -97,15 +99,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             self.mlp = LlamaMLP(config, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-    def forward(self, hidden, residual, rotary, cos, sin, kv_cache, meta):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV2Model(nn.Module):
