@@ -117,3 +117,15 @@ def test_prompt_logprobs_requests_bypass_the_cache(tiny):
     assert len(out.prompt_logprobs) == len(prompt)           # every position scored
     assert llm.engine.prefix_cache_stats.queries == 1
     _assert_all_returned(llm)
+
+
+def test_identical_prompts_arriving_together_compute_the_prefix_once(tiny_model_factory):
+    """Nothing is cached when both arrive: the second waits a step for the first's blocks
+    instead of prefilling the same 40 tokens again (hit = the 9 full blocks below token 39)."""
+    path, _ = tiny_model_factory("llama")
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(40)]
+    llm, tokens, _ = _run(path, [prompt, list(prompt)])
+    assert tokens[0] == tokens[1]
+    stats = llm.engine.prefix_cache_stats
+    assert stats.hit_tokens == 36, stats.as_dict()
