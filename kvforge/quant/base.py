@@ -71,3 +71,16 @@ class QuantizationConfig(ABC):
     def describe(self) -> dict[str, Any]:
         """Constructor arguments that rebuild this config (saved with a quantized model)."""
         return {}
+
+
+def load_bias_shard(layer, kind: str, loaded, rows: slice) -> bool:
+    """Shared head of the quantized ``load_weight``s: copies a bias shard into ``rows`` and
+    returns True; returns False for a weight shard; raises on an unknown kind or a stray bias."""
+    if kind == "bias":
+        if not layer.has_bias:
+            raise ValueError("got a bias for a linear layer created without bias")
+        layer.bias[rows].copy_(loaded)
+        return True
+    if kind != "weight":
+        raise ValueError(f"unknown linear parameter kind {kind!r}; expected 'weight' or 'bias'")
+    return False

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.base import load_bias_shard, QuantizationConfig, register_quantization
 from kvforge.quant.int8 import Int8LinearMethod, lm_head_method
 
 
@@ -71,13 +71,8 @@ class Int4LinearMethod(LinearMethod):
     def load_weight(self, layer, kind, loaded, output_offset):
         n = loaded.shape[0]
         rows = slice(output_offset, output_offset + n)
-        if kind == "bias":
-            if not layer.has_bias:
-                raise ValueError("got a bias for a linear layer created without bias")
-            layer.bias[rows].copy_(loaded)
+        if load_bias_shard(layer, kind, loaded, rows):
             return
-        if kind != "weight":
-            raise ValueError(f"unknown linear parameter kind {kind!r}; expected 'weight' or 'bias'")
         if not hasattr(layer, "_int4_codes"):
             raise ValueError("int4 layer already finalized; its weights were loaded twice")
         if loaded.shape[1] != layer.input_size:

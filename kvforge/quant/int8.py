@@ -15,7 +15,7 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.base import load_bias_shard, QuantizationConfig, register_quantization
 
 
 @dataclass
@@ -44,13 +44,8 @@ class Int8LinearMethod(LinearMethod):
 
     def load_weight(self, layer, kind, loaded, output_offset):
         rows = slice(output_offset, output_offset + loaded.shape[0])
-        if kind == "bias":
-            if not layer.has_bias:
-                raise ValueError("got a bias for a linear layer created without bias")
-            layer.bias[rows].copy_(loaded)
+        if load_bias_shard(layer, kind, loaded, rows):
             return
-        if kind != "weight":
-            raise ValueError(f"unknown linear parameter kind {kind!r}; expected 'weight' or 'bias'")
         if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
             raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
                              f"with input_size {layer.input_size}")
