@@ -36,7 +36,7 @@ from kvforge.bench.serving import (add_bench_args, build_requests, format_summar
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_args(p)
-    p.set_defaults(base_url=None, result_json="serving_bench.json", plot="serving_bench.png",
+    p.set_defaults(base_url=None, result_json="docs/bench/serving_bench.json", plot="docs/bench/serving_bench.png",
                    goodput=["ttft:5000", "tpot:500"])
     p.add_argument("--request-rates", type=float, nargs="+", default=[1.0, float("inf")])
     p.add_argument("--engine-model", default=None, help="model path for the launched server")
