@@ -80,6 +80,14 @@ def run_config(args, enable: bool, policy: str, vocab_out: list) -> dict:
     shared_s = time.perf_counter() - t0
     shared = _summary(outs, shared_s, _stats(llm), stats0)
 
+    # the same kind of workload arriving one request at a time (a lightly loaded server): TTFT
+    # is then the request's own prefill, without queueing behind the others
+    args_seq = argparse.Namespace(**{**vars(args), "seed": args.seed + 7})
+    stats_seq, seq_outs, t0 = _stats(llm), [], time.perf_counter()
+    for prompt in shared_prefix_prompts(args_seq, vocab):
+        seq_outs += llm.generate([prompt], params, use_tqdm=False)
+    sequential = _summary(seq_outs, time.perf_counter() - t0, _stats(llm), stats_seq)
+
     rng = random.Random(args.seed + 1)
     histories = [[rng.randrange(100, vocab) for _ in range(args.turn_len)]
                  for _ in range(args.conversations)]
@@ -92,7 +100,8 @@ def run_config(args, enable: bool, policy: str, vocab_out: list) -> dict:
                      for h, o in zip(histories, outs)]
     chat = _summary(all_outs, time.perf_counter() - t0, _stats(llm), stats1)
     llm.engine.check_integrity()
-    return {"shared_prefix": shared, "multi_turn": chat}
+    return {"shared_prefix": shared, "shared_prefix_one_at_a_time": sequential,
+            "multi_turn": chat}
 
 
 def _stats(llm) -> tuple[int, int]:
@@ -120,7 +129,7 @@ def main(argv=None) -> dict:
           f"multi-turn: {args.conversations} chats x {args.turns} turns (+{args.turn_len} tokens)")
     base = results["cache off"]
     summary = []
-    for workload in ("shared_prefix", "multi_turn"):
+    for workload in ("shared_prefix", "shared_prefix_one_at_a_time", "multi_turn"):
         rows = []
         b = base[workload]
         for name, _, _ in CONFIGS:
