@@ -83,6 +83,20 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
+def assert_prefill_then_decode_match_hf(hf, ours) -> None:
+    """Two sequences prefilled in one batch (11 and 37 tokens, the first cut at 10), then the
+    first one's 11th token as a lone decode over its cached context: logits equal HF's."""
+    g = torch.Generator().manual_seed(1)
+    seq0, seq1 = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 37))
+    ref0, ref1 = hf_logits(hf, seq0), hf_logits(hf, seq1)
+    caches = alloc_caches(ours)
+    out = run_step(ours, caches, [seq0[:10], seq1], [0, 0], [0, 1])
+    torch.testing.assert_close(out[:10], ref0[:10], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[10:], ref1, atol=1e-4, rtol=1e-4)
+    out = run_step(ours, caches, [[seq0[10]]], [10], [0])
+    torch.testing.assert_close(out[0], ref0[10], atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_logits_match_hf(case):

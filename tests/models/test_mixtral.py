@@ -9,7 +9,7 @@ from kvforge.layers.moe import FusedMoE
 from kvforge.models.config import ModelConfig
 from kvforge.models.mixtral import MixtralForCausalLM
 from tests.helpers.engine_vs_hf import check_engine_matches_hf
-from tests.models.test_llama import alloc_caches, hf_logits, run_step
+from tests.models.test_llama import assert_prefill_then_decode_match_hf
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
@@ -28,15 +28,7 @@ def make_pair(seed: int = 0, **overrides):
 
 def test_prefill_and_decode_logits_match_hf():
     hf, ours = make_pair()
-    g = torch.Generator().manual_seed(1)
-    seq0, seq1 = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 37))
-    ref0, ref1 = hf_logits(hf, seq0), hf_logits(hf, seq1)
-    caches = alloc_caches(ours)
-    out = run_step(ours, caches, [seq0[:10], seq1], [0, 0], [0, 1])
-    torch.testing.assert_close(out[:10], ref0[:10], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[10:], ref1, atol=1e-4, rtol=1e-4)
-    out = run_step(ours, caches, [[seq0[10]]], [10], [0])
-    torch.testing.assert_close(out[0], ref0[10], atol=1e-4, rtol=1e-4)
+    assert_prefill_then_decode_match_hf(hf, ours)
 
 
 def test_legacy_per_expert_checkpoint_names_load_the_same(tmp_path):

@@ -10,7 +10,7 @@ from kvforge.models.config import ModelConfig
 from kvforge.models.llama import LlamaMLP
 from kvforge.models.qwen2_moe import Qwen2MoeForCausalLM
 from tests.helpers.engine_vs_hf import check_engine_matches_hf
-from tests.models.test_llama import alloc_caches, hf_logits, run_step
+from tests.models.test_llama import assert_prefill_then_decode_match_hf
 
 TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             shared_expert_intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -38,15 +38,7 @@ def test_prefill_and_decode_logits_match_hf(norm_topk_prob):
     layers = ours.model.layers
     assert isinstance(layers[0].mlp.experts, FusedMoE) and isinstance(layers[1].mlp, LlamaMLP)
     assert layers[0].mlp.experts.renormalize is norm_topk_prob
-    g = torch.Generator().manual_seed(1)
-    seq0, seq1 = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 37))
-    ref0, ref1 = hf_logits(hf, seq0), hf_logits(hf, seq1)
-    caches = alloc_caches(ours)
-    out = run_step(ours, caches, [seq0[:10], seq1], [0, 0], [0, 1])
-    torch.testing.assert_close(out[:10], ref0[:10], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[10:], ref1, atol=1e-4, rtol=1e-4)
-    out = run_step(ours, caches, [[seq0[10]]], [10], [0])
-    torch.testing.assert_close(out[0], ref0[10], atol=1e-4, rtol=1e-4)
+    assert_prefill_then_decode_match_hf(hf, ours)
 
 
 def test_saved_per_expert_names_load_the_same(tmp_path):
