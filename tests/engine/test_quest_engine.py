@@ -77,14 +77,10 @@ def test_config_selects_the_backend():
 
 
 def test_cli_flags_reach_the_engine_config(tmp_path, capsys):
-    import argparse
-
-    from kvforge.cli import add_engine_args, engine_kwargs, main
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    args = parser.parse_args(["--sparse-attention", "quest", "--sparse-token-budget", "1024",
-                              "--quest-dense-layers", "3"])
-    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    from kvforge.cli import main
+    from tests.helpers.cli import engine_config_from_flags
+    config = engine_config_from_flags(["--sparse-attention", "quest", "--sparse-token-budget",
+                                       "1024", "--quest-dense-layers", "3"])
     assert (config.attention_backend, config.sparse_token_budget,
             config.quest_dense_layers) == ("quest", 1024, 3)
     rc = main(["generate", "x", "--model", str(tmp_path / "m"), "--sparse-attention", "quest",

@@ -121,14 +121,8 @@ def test_bad_speculative_config():
 
 
 def test_cli_flags_reach_the_engine_config():
-    import argparse
-
-    from kvforge.cli import add_engine_args, engine_kwargs
-    from kvforge.config import EngineConfig
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    args = p.parse_args(["--speculative-method", "draft", "--num-speculative-tokens", "3",
-                         "--speculative-draft-layers", "2"])
-    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    from tests.helpers.cli import engine_config_from_flags
+    config = engine_config_from_flags(["--speculative-method", "draft", "--num-speculative-tokens",
+                                       "3", "--speculative-draft-layers", "2"])
     assert (config.speculative_method, config.num_speculative_tokens,
             config.speculative_draft_layers) == ("draft", 3, 2)
