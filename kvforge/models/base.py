@@ -35,6 +35,33 @@ class PagedKVModelMixin:
         return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
 
 
+class RotaryDecoderLMMixin(PagedKVModelMixin):
+    """The forward of families laid out as ``self.model.{embed_tokens, rotary_emb, layers, norm}``
+    + ``self.lm_head`` (Llama and its relatives, DeepSeek-V2): each layer takes
+    ``(hidden, residual, rotary, cos, sin, kv_cache, meta)`` and returns ``(hidden, residual)``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final-normed hidden states."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        rotary = model.rotary_emb
+        cos, sin = rotary.cos_sin(positions)       # gathered once, shared by every layer
+        residual = None
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, rotary, cos, sin, kv_cache, meta)
+        hidden, _ = model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def first_attention_backend(self):
+        return self.model.layers[0].self_attn.attn
+
+
 def expected_weight_keys(model: nn.Module, extra=None) -> set[str]:
     """Keys a complete checkpoint fills: ``name.weight`` / ``name.bias`` of each Linear,
     ``name.kind#shard`` per shard of a MergedLinear, plain parameters of other modules.

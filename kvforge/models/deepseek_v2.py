@@ -27,7 +27,7 @@ from kvforge.layers.linear import Linear
 from kvforge.layers.moe import FusedMoE
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary_interleaved import InterleavedRotaryEmbedding
-from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
+from kvforge.models.base import (RotaryDecoderLMMixin, copy_plain_parameter, expected_weight_keys,
                                  finish_loading)
 from kvforge.models.config import ModelConfig
 from kvforge.models.deepseek_moe import DeepseekMoE, DeepseekMoEConfig
@@ -115,7 +115,7 @@ class DeepseekV2Model(nn.Module):
             base=config.rope_theta, rope_scaling=config.rope_scaling, dtype=dtype, device=device)
 
 
-class DeepseekV2ForCausalLM(PagedKVModelMixin, nn.Module):
+class DeepseekV2ForCausalLM(RotaryDecoderLMMixin, nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: str = "mla",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -132,26 +132,6 @@ class DeepseekV2ForCausalLM(PagedKVModelMixin, nn.Module):
         self.model = DeepseekV2Model(config, dtype, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, device=device)
         self.requires_grad_(False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids and positions -> [T, hidden] final-normed hidden states."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb
-        cos, sin = rotary.cos_sin(positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rotary, cos, sin, kv_cache, meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def first_attention_backend(self):
-        return self.model.layers[0].self_attn.attn
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -24,7 +24,7 @@ from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
-from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
+from kvforge.models.base import (RotaryDecoderLMMixin, copy_plain_parameter, expected_weight_keys,
                                  finish_loading)
 from kvforge.models.config import ModelConfig
 
@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
                                           dtype=dtype, device=device)
 
 
-class LlamaForCausalLM(PagedKVModelMixin, nn.Module):
+class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
     # the decoder stack; a family that differs only inside its layers (Mixtral's MoE) swaps it
     model_cls: type[nn.Module] = LlamaModel
 
@@ -135,27 +135,6 @@ class LlamaForCausalLM(PagedKVModelMixin, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # inference only: no autograd bookkeeping on any op
         self.requires_grad_(False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids and positions -> [T, hidden] final-normed hidden states."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
-        model = self.model
-        hidden = model.embed_tokens(input_ids)
-        rotary = model.rotary_emb
-        cos, sin = rotary.cos_sin(positions)       # gathered once, shared by every layer
-        residual = None
-        for layer, kv_cache in zip(model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rotary, cos, sin, kv_cache, meta)
-        hidden, _ = model.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def first_attention_backend(self):
-        return self.model.layers[0].self_attn.attn
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
