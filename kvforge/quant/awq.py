@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kvforge.quant import packing
-from kvforge.quant.base import register_quantization
+from kvforge.quant.base import is_lm_head, register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.int4 import Int4LinearMethod
 from kvforge.quant.w8a8_ops import float_weight, take_float_weight
@@ -92,6 +92,6 @@ class AWQConfig(CalibratedQuantConfig):
         self.group_size, self.grid, self.max_samples = group_size, grid, max_samples
 
     def get_linear_method(self, prefix: str):
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return None
         return self.register_method(AWQLinearMethod(self, prefix, self.max_samples))

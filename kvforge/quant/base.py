@@ -53,6 +53,12 @@ def _import_builtin() -> None:
             importlib.import_module(f"kvforge.quant.{mod.name}")
 
 
+def is_lm_head(prefix: str) -> bool:
+    """Whether a linear layer's HF module name is the output projection (configs treat it apart:
+    it feeds the logits directly and is the largest single matrix of small models)."""
+    return prefix == "lm_head" or prefix.endswith(".lm_head")
+
+
 class QuantizationConfig(ABC):
     name: str = "base"
     needs_calibration: bool = False

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
-from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.base import is_lm_head, QuantizationConfig, register_quantization
 from kvforge.quant.w8a8_ops import take_float_weight
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)   # 448
@@ -65,6 +65,6 @@ class FP8Config(QuantizationConfig):
         self.tile_cols = tile_cols
 
     def get_linear_method(self, prefix: str):
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return None
         return FP8LinearMethod(self.tile_cols)

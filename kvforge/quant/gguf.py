@@ -27,7 +27,7 @@ import torch
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.loader import gguf_loader
-from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.base import is_lm_head, QuantizationConfig, register_quantization
 from kvforge.quant.int4 import Int4Blocks, Int4LinearMethod
 from kvforge.quant.int8 import lm_head_method
 
@@ -108,7 +108,7 @@ class GGUFConfig(QuantizationConfig):
         self.lm_head = lm_head
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return lm_head_method(self.lm_head, prefix)
         return Int4LinearMethod(GGUF_GROUP)
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import load_bias_shard, QuantizationConfig, register_quantization
+from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
+                                register_quantization)
 from kvforge.quant.int8 import Int8LinearMethod, lm_head_method
 
 
@@ -147,7 +148,7 @@ class Int4Config(QuantizationConfig):
         lm_head_method(lm_head, "lm_head")   # validates the choice
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return lm_head_method(self.lm_head, prefix)
         return Int4LinearMethod(self.group_size)
 

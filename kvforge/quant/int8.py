@@ -15,7 +15,8 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import load_bias_shard, QuantizationConfig, register_quantization
+from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
+                                register_quantization)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Int8Config(QuantizationConfig):
         self.lm_head = lm_head
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return lm_head_method(self.lm_head, prefix)
         return Int8LinearMethod()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
-from kvforge.quant.base import QuantizationConfig, register_quantization
+from kvforge.quant.base import is_lm_head, QuantizationConfig, register_quantization
 from kvforge.quant.w8a8_ops import (int8_matmul, quantize_per_token, quantize_weight_per_channel,
                                     take_float_weight)
 
@@ -70,6 +70,6 @@ class LLMInt8Config(QuantizationConfig):
         self.threshold = float(threshold)
 
     def get_linear_method(self, prefix: str):
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return None
         return LLMInt8LinearMethod(self.threshold)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.quant.base import register_quantization
+from kvforge.quant.base import is_lm_head, register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.w8a8_ops import (float_weight, int8_matmul, quantize_per_token,
                                     quantize_weight_per_channel, take_float_weight)
@@ -69,6 +69,6 @@ class SmoothQuantConfig(CalibratedQuantConfig):
         self.alpha = float(alpha)
 
     def get_linear_method(self, prefix: str):
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if is_lm_head(prefix):
             return None
         return self.register_method(SmoothQuantLinearMethod(self, prefix))
