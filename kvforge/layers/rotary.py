@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvforge.kernels import ops as kernel_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -102,7 +104,7 @@ class RotaryEmbedding(nn.Module):
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, num_heads, head_dim] (any strides); returns a new contiguous tensor."""
         if self.rotary_dim == self.head_dim:
-            return torch.addcmul(x * cos, x.roll(self.rotary_dim // 2, dims=-1), sin)
+            return kernel_ops.rotary_neox(x, cos, sin)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         rotated = torch.addcmul(rot * cos, rot.roll(self.rotary_dim // 2, dims=-1), sin)
         return torch.cat([rotated, rest], dim=-1)

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels.decode_stack import build_llama_decode_stack, run_decode_stack
 from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
@@ -135,6 +136,22 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # inference only: no autograd bookkeeping on any op
         self.requires_grad_(False)
+
+    _decode_stack = None            # compiled whole-step decode (kvforge/kernels), built lazily
+    _decode_stack_built = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        # a step of decodes only (no prefill chunk, no speculative rows) runs in one compiled
+        # call when the model qualifies; otherwise, and as the reference, the Python layers
+        if meta.num_decodes == meta.num_seqs and meta.num_seqs and len(kv_caches) == self.num_layers:
+            if not self._decode_stack_built:
+                self._decode_stack = build_llama_decode_stack(self)
+                self._decode_stack_built = True
+            if self._decode_stack is not None and kv_caches[0].dtype == torch.float32:
+                return run_decode_stack(self._decode_stack, self, input_ids, positions, kv_caches,
+                                        meta)
+        return super().forward(input_ids, positions, kv_caches, meta)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

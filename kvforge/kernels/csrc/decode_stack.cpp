@@ -1,0 +1,172 @@
+// DecodeStack: a whole Llama-family decode step (every layer + the final norm) in one call.
+//
+// Per layer, for n sequences with one new token each (x: [n, hidden]):
+//
+//   residual += x;  h = rms(residual) * ln1             (first layer: residual = x)
+//   qkv = h @ Wqkv^T (+ b)        row: [ q (H*D) | k (KVH*D) | v (KVH*D) ]
+//   rotate q and k in place (NeoX, cos/sin rows of the step's positions)
+//   K/V planes[slot_mapping[t]] = k, v of token t       (plane: [num_blocks*B, KVH, D])
+//   a = paged decode attention(q, planes, block_tables, seq_lens)
+//   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
+//   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
+//
+// Weights are the model's own tensors (no copies). GEMMs of up to kSmallMMax rows use
+// linear_rows (weights streamed once); more rows go to at::mm like the Python path.
+#include "kernels.h"
+
+namespace kvforge {
+namespace {
+
+struct LayerWeights {
+  at::Tensor ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down;
+};
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  at::Tensor y;
+  if (x.size(0) <= kSmallMMax) {
+    y = at::empty({x.size(0), w.size(0)}, x.options());
+    linear_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), y.data_ptr<float>(),
+                x.size(0), x.size(1), w.size(0));
+  } else {
+    // (W @ x^T)^T: measured faster than x @ W^T for 16..128 rows (layers/linear.py)
+    y = at::mm(w, x.t()).t().contiguous();
+  }
+  if (bias.defined() && bias.numel() > 0) y.add_(bias);  // an empty tensor: no bias
+  return y;
+}
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, double eps,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+      : final_norm_(std::move(final_norm)), eps_(static_cast<float>(eps)), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "bad head configuration");
+    check_fp32_cpu(final_norm_, "final_norm");
+    hidden_ = final_norm_.numel();
+    const int64_t qkv_out = (heads + 2 * kv_heads) * head_dim;
+    for (auto& t : layers) {
+      TORCH_CHECK(t.size() == 8, "each layer: ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down");
+      LayerWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]};
+      for (const at::Tensor* p : {&w.ln1, &w.qkv, &w.o, &w.ln2, &w.gate_up, &w.down}) {
+        check_fp32_cpu(*p, "weight");
+        TORCH_CHECK(p->is_contiguous(), "weights must be contiguous");
+      }
+      TORCH_CHECK(w.ln1.numel() == hidden_ && w.ln2.numel() == hidden_, "norm weight size");
+      TORCH_CHECK(w.qkv.size(0) == qkv_out && w.qkv.size(1) == hidden_, "qkv weight shape");
+      TORCH_CHECK(w.o.size(0) == hidden_ && w.o.size(1) == heads * head_dim, "o weight shape");
+      TORCH_CHECK(w.gate_up.size(1) == hidden_ && w.gate_up.size(0) % 2 == 0 &&
+                      w.down.size(0) == hidden_ && w.down.size(1) * 2 == w.gate_up.size(0),
+                  "mlp weight shapes");
+      layers_.push_back(std::move(w));
+    }
+  }
+
+  // hidden [n, hidden] (token embeddings) -> final-normed hidden [n, hidden]
+  at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos, at::Tensor sin) {
+    const int64_t n = hidden.size(0);
+    check_fp32_cpu(hidden, "hidden");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.is_contiguous(), "hidden");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one kv cache per layer");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == n, "slot_mapping must be int64 [n]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                    block_tables.stride(1) == 1 && block_tables.size(0) == n &&
+                    seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                    seq_lens.numel() == n, "block_tables [n, m] / seq_lens [n] int64");
+    TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n &&
+                    cos.size(1) == head_dim_ && sin.size(1) == head_dim_ && cos.stride(1) == 1 &&
+                    sin.stride(1) == 1, "cos/sin must be [n, head_dim]");
+    check_fp32_cpu(cos, "cos");
+    check_fp32_cpu(sin, "sin");
+    const int64_t kv_row = kv_heads_ * head_dim_;
+    int64_t num_slots = -1, block_size = 0;
+    for (const auto& cache : kv_caches) {
+      check_fp32_cpu(cache, "kv_cache");
+      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads_ &&
+                      cache.size(4) == head_dim_ && cache.is_contiguous(),
+                  "kv_cache must be contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+      num_slots = cache.size(1) * cache.size(2);
+      block_size = cache.size(2);
+    }
+    // bounds, once per step: every slot and every attended block must exist
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t table_stride = block_tables.stride(0);
+    for (int64_t t = 0; t < n; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+      TORCH_CHECK(lens[t] >= 1 && lens[t] <= block_tables.size(1) * block_size, "seq_len");
+      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(tables[t * table_stride + b] >= 0 &&
+                        tables[t * table_stride + b] * block_size < num_slots, "block id");
+    }
+
+    const int64_t q_width = heads_ * head_dim_;
+    at::Tensor x = hidden, residual = at::empty_like(hidden), h = at::empty_like(hidden);
+    at::Tensor attn = at::empty({n, q_width}, hidden.options());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerWeights& w = layers_[l];
+      if (l == 0) {
+        add_rms_norm_rows(x.data_ptr<float>(), hidden_, nullptr, 0, w.ln1.data_ptr<float>(),
+                          h.data_ptr<float>(), nullptr, n, hidden_, eps_);
+        residual.copy_(x);
+      } else {   // residual += x, in place (the sum is written over the residual)
+        add_rms_norm_rows(x.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
+                          w.ln1.data_ptr<float>(), h.data_ptr<float>(),
+                          residual.data_ptr<float>(), n, hidden_, eps_);
+      }
+      at::Tensor qkv = linear(h, w.qkv, w.qkv_bias);
+      float* qkv_p = qkv.data_ptr<float>();
+      const int64_t qkv_stride = qkv.stride(0);
+      rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, cos.data_ptr<float>(), cos.stride(0),
+                  sin.data_ptr<float>(), sin.stride(0), n, heads_ + kv_heads_, head_dim_);
+      float* cache = kv_caches[l].data_ptr<float>();
+      const int64_t plane = num_slots * kv_row;     // K plane, then V plane
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = qkv_p + t * qkv_stride + q_width;
+        std::copy(k, k + kv_row, cache + slots[t] * kv_row);
+        std::copy(k + kv_row, k + 2 * kv_row, cache + plane + slots[t] * kv_row);
+      }
+      const PagedKV keys{cache, block_size * kv_row, kv_row, head_dim_, block_size, head_dim_};
+      const PagedKV values{cache + plane, block_size * kv_row, kv_row, head_dim_, block_size,
+                           head_dim_};
+      decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
+                       heads_, kv_heads_, scale_, attn.data_ptr<float>());
+      at::Tensor o = linear(attn, w.o, w.o_bias);
+      add_rms_norm_rows(o.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
+                        w.ln2.data_ptr<float>(), h.data_ptr<float>(), residual.data_ptr<float>(),
+                        n, hidden_, eps_);
+      at::Tensor gate_up = linear(h, w.gate_up, at::Tensor());
+      const int64_t inter = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({n, inter}, hidden.options());
+      silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
+                        inter);
+      x = linear(act, w.down, at::Tensor());
+    }
+    at::Tensor out = at::empty_like(hidden);
+    add_rms_norm_rows(x.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
+                      final_norm_.data_ptr<float>(), out.data_ptr<float>(),
+                      residual.data_ptr<float>(), n, hidden_, eps_);
+    return out;
+  }
+
+ private:
+  std::vector<LayerWeights> layers_;
+  at::Tensor final_norm_;
+  float eps_;
+  int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
+  float scale_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
+                          int64_t, int64_t, double>())
+      .def("forward", &DecodeStack::forward);
+}
+
+}  // namespace kvforge

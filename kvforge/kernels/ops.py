@@ -1,0 +1,90 @@
+"""Fused decode-step ops: the compiled kernel when it applies, else the same math in PyTorch.
+
+A kernel applies to fp32 CPU tensors with the layouts below; anything else (bf16, CUDA, odd
+strides) takes the PyTorch path, which is also the reference the kernel tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.kernels import cpu_kernels
+
+
+_FP32 = torch.float32
+
+
+def _kernel_for(*tensors: torch.Tensor):
+    # called per layer per step: plain attribute checks only (no device objects, no generators)
+    for t in tensors:
+        if t.dtype is not _FP32 or not t.is_cpu:
+            return None
+    return cpu_kernels()
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """2-D with contiguous rows (any row stride)."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` over the last dim (fp32 statistics).
+    Without ``residual`` the second result is ``x`` itself."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    r2 = None if residual is None else residual.reshape(-1, shape[-1])
+    ops = _kernel_for(x2, weight, *(() if r2 is None else (r2,)))
+    if (ops is not None and _rows_ok(x2) and weight.is_contiguous()
+            and (r2 is None or _rows_ok(r2))):
+        y, total = ops.add_rms_norm(x2, r2, weight, eps)
+        return y.view(shape), (x if residual is None else total.view(shape))
+    total = x if residual is None else x + residual
+    y = F.rms_norm(total.float(), (shape[-1],), None, eps).to(total.dtype) * weight
+    return y, total
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+    shape = gate_up.shape
+    g2 = gate_up.reshape(-1, shape[-1])
+    ops = _kernel_for(g2)
+    if ops is not None and _rows_ok(g2) and shape[-1] % 2 == 0:
+        return ops.silu_and_mul(g2).view(*shape[:-1], shape[-1] // 2)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, D] with the [cos | cos] / [-sin | sin] tables gathered per token
+    ([T, 1, D]); returns a new contiguous [T, heads, D]."""
+    ops = _kernel_for(x, cos, sin)
+    if (ops is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.shape[-1] == x.shape[-1] and cos.stride(-1) == 1 and sin.stride(-1) == 1):
+        return ops.rotary_neox(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor | None:
+    """One query per sequence attending over its paged context; None when the kernel does not
+    apply (the caller then runs its gather + SDPA path)."""
+    ops = _kernel_for(q, key_cache, value_cache)
+    if (ops is None or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2] or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
+            or block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64
+            or block_tables.stride(1) != 1 or not seq_lens.is_contiguous()):
+        return None
+    return ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+SMALL_M_MAX = 8   # rows the compiled GEMV-style kernel takes (csrc: kSmallMMax)
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x [M, K] @ weight[N, K]^T`` for M <= SMALL_M_MAX by the compiled kernel (weight read
+    once for all rows); None when it does not apply (caller uses MKL)."""
+    ops = _kernel_for(x, weight)
+    if ops is None or x.stride(1) != 1 or not weight.is_contiguous():
+        return None
+    return ops.linear_small_m(x, weight)

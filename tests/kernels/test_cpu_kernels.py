@@ -1,0 +1,180 @@
+"""Compiled CPU kernels (kvforge/kernels) against plain PyTorch references, and the engine's
+greedy output with kernels on vs off."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvforge.kernels as kernels
+from kvforge.kernels import ops
+
+needs_kernels = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                   reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    module = kernels.cpu_kernels()
+    assert module is not None, "g++ is present but the kvforge CPU kernels failed to build"
+    return module
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 200])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(compiled, rows, with_residual):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    res = torch.randn(rows, 576, generator=g) if with_residual else None
+    w = torch.randn(576, generator=g)
+    y, total = compiled.add_rms_norm(x, res, w, 1e-5)
+    ref_total = x + res if with_residual else x
+    var = ref_total.double().pow(2).mean(-1, keepdim=True)
+    ref = (ref_total.double() * torch.rsqrt(var + 1e-5) * w.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(total, ref_total)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul_reads_strided_rows(compiled, rows):
+    big = torch.randn(rows, 3072 + 7)
+    gate_up = big[:, :3072]                    # row stride 3079: a view, not a copy
+    out = compiled.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rotary_matches_rotate_half(compiled, tokens):
+    heads, dim = 12, 64
+    qkv = torch.randn(tokens, heads * dim + 3 * dim)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)    # q|k view of a fused projection
+    angle = torch.randn(tokens, dim // 2)
+    c, s = angle.cos(), angle.sin()
+    cos = torch.cat([c, c], -1)
+    sin = torch.cat([-s, s], -1)
+    out = ops.rotary_neox(x, cos[:, None], sin[:, None])
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    ref = torch.cat([x1 * c[:, None] - x2 * s[:, None], x2 * c[:, None] + x1 * s[:, None]], -1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", list(range(1, ops.SMALL_M_MAX + 1)))
+@pytest.mark.parametrize("shape", [(960, 576), (577, 1539)])     # 1539: a tail past 16 lanes
+def test_linear_small_m(compiled, rows, shape):
+    out_features, in_features = shape
+    w = torch.randn(out_features, in_features)
+    x = torch.randn(rows, in_features)
+    y = compiled.linear_small_m(x, w)
+    ref = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_linear_small_m_rejects_bad_input(compiled):
+    with pytest.raises(RuntimeError, match="1..8 rows"):
+        compiled.linear_small_m(torch.randn(9, 16), torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="shape"):
+        compiled.linear_small_m(torch.randn(2, 16), torch.randn(4, 15))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_heads,heads,block_size", [(3, 9, 16), (2, 2, 4), (1, 8, 8)])
+def test_paged_decode_attention_matches_dense(compiled, kv_heads, heads, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + block_size)
+    num_blocks, dim = 40, 32
+    # a cache with an extra slot per block (QUEST's layout): the kernel must follow strides
+    full = torch.randn(2, num_blocks, block_size + 1, kv_heads, dim, generator=g)
+    key_cache, value_cache = full[0, :, :block_size], full[1, :, :block_size]
+    seq_lens = torch.tensor([1, block_size, 3 * block_size + 1, 5])
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:4] for _ in range(4)])
+    q = torch.randn(4, heads, dim, generator=g)
+    out = compiled.paged_decode_attention(q, key_cache, value_cache, table, seq_lens, 0.3)
+    group = heads // kv_heads
+    for s, length in enumerate(seq_lens.tolist()):
+        keys = key_cache[table[s]].reshape(-1, kv_heads, dim)[:length]
+        values = value_cache[table[s]].reshape(-1, kv_heads, dim)[:length]
+        ref = F.scaled_dot_product_attention(
+            q[s][:, None], keys.repeat_interleave(group, 1).transpose(0, 1),
+            values.repeat_interleave(group, 1).transpose(0, 1), scale=0.3)[:, 0]
+        torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fallback_when_disabled(monkeypatch):
+    """Kernels off (KVFORGE_KERNELS=0 or no compiler): the ops still compute the right thing."""
+    monkeypatch.setattr(kernels, "_module", None)
+    x, w = torch.randn(2, 8), torch.randn(8)
+    y, total = ops.add_rms_norm(x, None, w, 1e-6)
+    torch.testing.assert_close(y, F.rms_norm(x, (8,), w, 1e-6))
+    assert total is x
+    assert ops.linear_small_m(x, torch.randn(3, 8)) is None
+    gu = torch.randn(3, 10)
+    torch.testing.assert_close(ops.silu_and_mul(gu), F.silu(gu[:, :5]) * gu[:, 5:])
+
+
+def _greedy(llm, prompts, max_tokens=24):
+    from kvforge.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[max(lp.values()) for lp in o.outputs[0].logprobs] for o in outs])
+
+
+def _kernels_off(llm, monkeypatch):
+    """Plain PyTorch from here on: no fused ops, no compiled decode stack."""
+    monkeypatch.setattr(kernels, "_module", None)
+    model = llm.engine.runner.model
+    monkeypatch.setattr(model, "_decode_stack", None, raising=False)
+    monkeypatch.setattr(model, "_decode_stack_built", True, raising=False)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_default_model_greedy_same_with_and_without_kernels(compiled, smollm_llm, monkeypatch):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+    on, on_lp = _greedy(smollm_llm, prompts)
+    assert smollm_llm.engine.runner.model._decode_stack is not None   # the stack really ran
+    _kernels_off(smollm_llm, monkeypatch)
+    off, off_lp = _greedy(smollm_llm, prompts)
+    assert on == off
+    for a, b in zip(on_lp, off_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=2e-3)
+    smollm_llm.engine.check_integrity()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),                                     # q/k/v biases
+    ("llama", {"attention_bias": True, "num_key_value_heads": 4}),   # o_proj bias, MHA
+])
+def test_tiny_models_decode_stack_matches_python_layers(compiled, tiny_model_factory, monkeypatch,
+                                                        kind, overrides):
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory(kind, **overrides)
+    prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
+    # batch sizes 3 (few-row kernel) and 12 (MKL path inside the stack)
+    for batch in (prompts, prompts * 4):
+        llm = LLM(hf_dir, num_kv_blocks=64, block_size=4)
+        on, on_lp = _greedy(llm, batch, max_tokens=12)
+        assert llm.engine.runner.model._decode_stack is not None
+        with monkeypatch.context() as m:
+            _kernels_off(llm, m)
+            off, off_lp = _greedy(llm, batch, max_tokens=12)
+        assert on == off
+        for a, b in zip(on_lp, off_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+        llm.engine.check_integrity()
+
+
+def test_decode_stack_not_built_for_quantized_models(tiny_model_factory):
+    from kvforge.engine.llm import LLM
+    from kvforge.kernels.decode_stack import build_llama_decode_stack
+    hf_dir, _ = tiny_model_factory("llama")
+    llm = LLM(hf_dir, num_kv_blocks=16, quantization="int8")
+    assert build_llama_decode_stack(llm.engine.runner.model) is None
