@@ -52,11 +52,35 @@ def build_llama_decode_stack(model):
                            first.num_kv_heads, first.head_dim, float(first.attn.scale))
 
 
+# Longest query run per sequence the stack takes: decodes (1) and speculative verification
+# (1 + k). Its attention loops over keys per query token, fine for a few tokens; prefill chunks
+# belong to SDPA's tiled kernels.
+MAX_QUERY_LEN = 16
+
+
+def stack_handles_step(meta) -> bool:
+    return meta.num_seqs > 0 and max(meta.query_lens_list) <= MAX_QUERY_LEN
+
+
 def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-    """[n] token ids of n decoding sequences -> [n, hidden] final-normed hidden states."""
+    """[T] token ids -> [T, hidden] final-normed hidden states.
+
+    The kernel attends per query token. A sequence with several query tokens (verification of
+    speculated tokens) gives each its own row: its sequence's block table, and a length that
+    stops at the token itself, which is the causal mask::
+
+        seq 0: context 5, queries at positions 5 6 7  ->  lens 6 7 8, tables row 0 three times
+    """
     hidden = model.model.embed_tokens(input_ids)
-    cos, sin = model.model.rotary_emb.cos_sin(positions)          # [n, 1, D] views
-    n = input_ids.shape[0]
-    return stack.forward(hidden, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                         cos.reshape(n, -1), sin.reshape(n, -1))
+    cos, sin = model.model.rotary_emb.cos_sin(positions)          # [T, 1, D] views
+    num_tokens = input_ids.shape[0]
+    if meta.num_decodes == meta.num_seqs:                          # one token per sequence
+        tables, lens = meta.block_tables, meta.seq_lens
+    else:
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(meta.num_seqs, device=input_ids.device),
+            torch.tensor(meta.query_lens_list, device=input_ids.device))
+        tables, lens = meta.block_tables.index_select(0, seq_of_token), positions + 1
+    return stack.forward(hidden, kv_caches, meta.slot_mapping, tables, lens,
+                         cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1))

@@ -20,7 +20,8 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels.decode_stack import build_llama_decode_stack, run_decode_stack
+from kvforge.kernels.decode_stack import (build_llama_decode_stack, run_decode_stack,
+                                          stack_handles_step)
 from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
@@ -142,9 +143,10 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        # a step of decodes only (no prefill chunk, no speculative rows) runs in one compiled
-        # call when the model qualifies; otherwise, and as the reference, the Python layers
-        if meta.num_decodes == meta.num_seqs and meta.num_seqs and len(kv_caches) == self.num_layers:
+        # a step of decodes and short query runs (speculative verification), no prefill chunk,
+        # runs in one compiled call when the model qualifies; otherwise, and as the reference,
+        # the Python layers
+        if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
             if not self._decode_stack_built:
                 self._decode_stack = build_llama_decode_stack(self)
                 self._decode_stack_built = True

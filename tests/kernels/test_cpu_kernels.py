@@ -178,3 +178,34 @@ def test_decode_stack_not_built_for_quantized_models(tiny_model_factory):
     hf_dir, _ = tiny_model_factory("llama")
     llm = LLM(hf_dir, num_kv_blocks=16, quantization="int8")
     assert build_llama_decode_stack(llm.engine.runner.model) is None
+
+
+@needs_kernels
+def test_stack_runs_short_prefills_and_verification_like_python_layers(compiled, tiny_model_factory,
+                                                                        monkeypatch):
+    """Query runs of several tokens per sequence (prompts <= 16 tokens, n-gram verification of
+    k = 4 speculated tokens) take the stack's per-token causal path."""
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory("qwen2")
+    prompts = [[5, 17, 300, 42, 5, 17, 300], [9, 8, 7, 9, 8, 7, 9, 8], [3] * 12]
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4, speculative_method="ngram",
+              num_speculative_tokens=4)
+    seen = []
+    model = llm.engine.runner.model
+    original = type(model).forward
+
+    def spy(self, input_ids, positions, kv_caches, meta):
+        seen.append(max(meta.query_lens_list))
+        return original(self, input_ids, positions, kv_caches, meta)
+
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "forward", spy)
+        on, on_lp = _greedy(llm, prompts, max_tokens=16)
+    assert model._decode_stack is not None and max(seen) > 1     # multi-token runs happened
+    with monkeypatch.context() as m:
+        _kernels_off(llm, m)
+        off, off_lp = _greedy(llm, prompts, max_tokens=16)
+    assert on == off
+    for a, b in zip(on_lp, off_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+    llm.engine.check_integrity()
