@@ -2,61 +2,120 @@
 //
 //   q [n, H, D] (any row / head stride)   K, V planes [num_blocks, B, KVH, D]   -> out [n, H, Dv]
 //
-//   key j of sequence s lives in block block_tables[s][j / B] at offset j % B;
-//   query head h reads KV head h / group (group = H / KVH), so each (s, kv head) task loads a
-//   key row once and scores it against the `group` query heads that share it:
+//   key j of sequence s lives in block block_tables[s][j / B] at offset j % B; query head h
+//   reads KV head h / group (group = H / KVH) -- no K/V copies per query head:
 //
-//     scores[g][j] = scale * q[s, kvh * group + g] . K[j, kvh]      j < seq_lens[s]
-//     out[s, kvh * group + g] = softmax_j(scores[g]) @ V[:, kvh]
+//     scores[h][j] = scale * q[s, h] . K[j, h / group]      j < seq_lens[s]
+//     out[s, h] = softmax_j(scores[h]) @ V[:, h / group]
+//
+//   computed per chunk of kChunk keys (tasks run in parallel), then merged per sequence.
 #include "kernels.h"
 
 namespace kvforge {
+
+namespace {
+
+// Keys per task. A task reads whole token rows (all KV heads, contiguous in a block) in logical
+// order; long contexts split into several tasks whose partial softmaxes merge at the end
+// (flash-decoding), so even one sequence keeps every thread busy.
+constexpr int64_t kChunk = 256;
+
+struct Partial {        // softmax state of one (query, chunk) for every head
+  std::vector<float> max, sum, acc;   // [H], [H], [H * Dv]
+};
+
+void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
+                  const PagedKV& values, const int64_t* table, int64_t j0, int64_t j1,
+                  int64_t heads, int64_t kv_heads, float scale, Partial& part,
+                  std::vector<float>& scores) {
+  const int64_t group = heads / kv_heads, dim = keys.dim, dim_v = values.dim, len = j1 - j0;
+  const int64_t block = keys.block_size;
+  const bool lanes = dim % 16 == 0;
+  scores.resize(static_cast<size_t>(heads * len));
+  //   scores[h * len + (j - j0)] = scale * q[h] . K[j, h / group]
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* row = keys.data + table[j / block] * keys.block_stride + (j % block) * keys.token_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* key = row + (h / group) * keys.head_stride;
+      const float* qh = q + h * q_head_stride;
+      float score;
+      if (lanes) {        // whole 16-float vectors, one horizontal sum per key
+        vec16 acc = load16(qh) * load16(key);
+        for (int64_t d = 16; d < dim; d += 16) acc += load16(qh + d) * load16(key + d);
+        score = hsum(acc);
+      } else {
+        score = dot(qh, key, dim);
+      }
+      scores[h * len + (j - j0)] = scale * score;
+    }
+  }
+  part.max.assign(heads, -INFINITY);
+  part.sum.assign(heads, 0.f);
+  part.acc.assign(heads * dim_v, 0.f);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores.data() + h * len;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sc[j]);
+    part.max[h] = mx;
+    part.sum[h] = exp_shift_sum(sc, len, mx);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* row = values.data + table[j / block] * values.block_stride + (j % block) * values.token_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float p = scores[h * len + (j - j0)];
+      const float* val = row + (h / group) * values.head_stride;
+      float* a = part.acc.data() + h * dim_v;
+#pragma omp simd
+      for (int64_t d = 0; d < dim_v; ++d) a[d] += p * val[d];
+    }
+  }
+}
+
+}  // namespace
 
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                       float scale, float* out) {
-  const int64_t group = heads / kv_heads, dim = keys.dim, dim_v = values.dim;
-  const int64_t block = keys.block_size;
-  // one task per (sequence, kv head); grain 1 because contexts differ in length
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t dim_v = values.dim;
+  // tasks: (sequence s, chunk c) -> keys [c * kChunk, min((c + 1) * kChunk, len))
+  std::vector<int64_t> first_task(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    first_task[s + 1] = first_task[s] + std::max<int64_t>(1, (seq_lens[s] + kChunk - 1) / kChunk);
+  const int64_t num_tasks = first_task[num_seqs];
+  std::vector<Partial> parts(num_tasks);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
-    std::vector<float> acc(group * dim_v);
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t s = item / kv_heads, kvh = item % kv_heads, len = seq_lens[s];
-      const int64_t* table = block_tables + s * table_stride;
-      const float* qs = q + s * q_row_stride + kvh * group * q_head_stride;
-      scores.resize(static_cast<size_t>(group * len));
-      for (int64_t j = 0; j < len; ++j) {
-        const float* key = keys.data + table[j / block] * keys.block_stride +
-                           (j % block) * keys.token_stride + kvh * keys.head_stride;
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * len + j] = scale * dot(qs + g * q_head_stride, key, dim);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
+    int64_t s = std::upper_bound(first_task.begin(), first_task.end(), t0) - first_task.begin() - 1;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first_task[s + 1]) ++s;
+      const int64_t c = t - first_task[s];
+      const int64_t j0 = c * kChunk, j1 = std::min(seq_lens[s], j0 + kChunk);
+      attend_chunk(q + s * q_row_stride, q_head_stride, keys, values,
+                   block_tables + s * table_stride, j0, j1, heads, kv_heads, scale, parts[t],
+                   scores);
+    }
+  });
+  // merge chunk partials: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      for (int64_t h = 0; h < heads; ++h) {
         float mx = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sc[j]);
+        for (int64_t t = first_task[s]; t < first_task[s + 1]; ++t) mx = std::max(mx, parts[t].max[h]);
+        float* o = out + (s * heads + h) * dim_v;
+        std::fill(o, o + dim_v, 0.f);
         float total = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
-          sc[j] = std::exp(sc[j] - mx);
-          total += sc[j];
+        for (int64_t t = first_task[s]; t < first_task[s + 1]; ++t) {
+          const float w = std::exp(parts[t].max[h] - mx);
+          total += w * parts[t].sum[h];
+          const float* a = parts[t].acc.data() + h * dim_v;
+#pragma omp simd
+          for (int64_t d = 0; d < dim_v; ++d) o[d] += w * a[d];
         }
         const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < len; ++j) {
-        const float* val = values.data + table[j / block] * values.block_stride +
-                           (j % block) * values.token_stride + kvh * values.head_stride;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + j];
-          float* a = acc.data() + g * dim_v;
 #pragma omp simd
-          for (int64_t d = 0; d < dim_v; ++d) a[d] += p * val[d];
-        }
+        for (int64_t d = 0; d < dim_v; ++d) o[d] *= inv;
       }
-      std::copy(acc.begin(), acc.end(), out + (s * heads + kvh * group) * dim_v);
     }
   });
 }

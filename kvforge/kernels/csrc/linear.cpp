@@ -8,14 +8,6 @@ namespace kvforge {
 // contiguous row ranges, i.e. sequential streams the hardware prefetcher follows.
 namespace {
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
-
-inline float hsum(vec16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-
 template <int M>
 void rows_times_weight(const float* __restrict xp, int64_t xs, const float* __restrict wp,
                        float* __restrict yp, int64_t out_features, int64_t in, int64_t n0,
