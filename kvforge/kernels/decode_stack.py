@@ -1,7 +1,7 @@
 """Run a pure-decode step of a Llama-family model through the compiled ``DecodeStack``.
 
-Eligible: fp32 weights on CPU, every projection an unquantized ``Linear`` (MergedLinear q|k|v and
-gate|up), SwiGLU MLPs without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
+Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (run by our kernels)
+or quantized ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
 (not QUEST, windows or an fp8 cache) and a contiguous fp32 KV cache. Anything else returns None
 and the model runs its Python layers, which remain the reference (tests compare the two).
 """
@@ -27,26 +27,34 @@ def build_llama_decode_stack(model):
     if rotary.rotary_dim != rotary.head_dim or rotary.cos_sin_table.device.type != "cpu":
         return None
     layers, norm_eps = [], None
+    empty = torch.Tensor()
+
+    def projection(linear):
+        """fp32 weight + bias for our kernels, or the module itself (quantized: its own kernel)."""
+        if type(linear.method) is UnquantizedLinearMethod:
+            if linear.weight.dtype != torch.float32 or not linear.weight.is_contiguous():
+                return None
+            return linear.weight, (linear.bias if linear.bias is not None else empty)
+        return linear, empty
+
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(attn.attn) is not PagedAttentionBackend or type(mlp) is not LlamaMLP
                 or not isinstance(mlp.act_fn, GatedActivation) or mlp.act_fn.act_name not in ("silu", "swish")):
             return None
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(p.method) is not UnquantizedLinearMethod for p in projections):
+        projections = [projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                               mlp.down_proj)]
+        if any(p is None for p in projections):
             return None
-        if mlp.gate_up_proj.has_bias or mlp.down_proj.has_bias:
+        (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = projections
+        if gate_up_bias.numel() or down_bias.numel():
             return None
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, inner.norm.eps}
         if len(eps) != 1 or (norm_eps is not None and eps != {norm_eps}):
             return None
         norm_eps = eps.pop()
-        empty = torch.Tensor()
-        layers.append([layer.input_layernorm.weight, attn.qkv_proj.weight,
-                       attn.qkv_proj.bias if attn.qkv_proj.bias is not None else empty,
-                       attn.o_proj.weight, attn.o_proj.bias if attn.o_proj.bias is not None else empty,
-                       layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                       mlp.down_proj.weight])
+        layers.append([layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
+                       layer.post_attention_layernorm.weight, gate_up, down])
     first = inner.layers[0].self_attn
     return ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
                            first.num_kv_heads, first.head_dim, float(first.attn.scale))

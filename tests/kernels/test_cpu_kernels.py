@@ -172,11 +172,33 @@ def test_tiny_models_decode_stack_matches_python_layers(compiled, tiny_model_fac
         llm.engine.check_integrity()
 
 
-def test_decode_stack_not_built_for_quantized_models(tiny_model_factory):
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_stack_calls_back_quantized_projections(compiled, tiny_model_factory, monkeypatch,
+                                                quantization):
+    """Quantized projections run their own kernels from inside the stack: same greedy output and
+    logprobs as the Python layers."""
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory("llama")
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4, quantization=quantization)
+    prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
+    on, on_lp = _greedy(llm, prompts, max_tokens=12)
+    assert llm.engine.runner.model._decode_stack is not None
+    with monkeypatch.context() as m:
+        _kernels_off(llm, m)
+        off, off_lp = _greedy(llm, prompts, max_tokens=12)
+    assert on == off
+    for a, b in zip(on_lp, off_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-3)
+    llm.engine.check_integrity()
+
+
+def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
     from kvforge.engine.llm import LLM
     from kvforge.kernels.decode_stack import build_llama_decode_stack
     hf_dir, _ = tiny_model_factory("llama")
-    llm = LLM(hf_dir, num_kv_blocks=16, quantization="int8")
+    llm = LLM(hf_dir, num_kv_blocks=16, block_size=16, sparse_attention="quest",
+              sparse_token_budget=16)
     assert build_llama_decode_stack(llm.engine.runner.model) is None
 
 

@@ -10,37 +10,67 @@
 //   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
 //   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
 //
-// Weights are the model's own tensors (no copies). GEMMs of up to kSmallMMax rows use
-// linear_rows (weights streamed once); more rows go to at::mm like the Python path.
+// Weights are the model's own tensors (no copies). fp32 GEMMs of up to kSmallMMax rows use
+// linear_rows (weights streamed once), more rows at::mm like the Python path; a quantized
+// projection is called back as its Python module (its own int8/int4 kernel), and everything
+// between the projections still runs here.
 #include "kernels.h"
 
 namespace kvforge {
 namespace {
 
-struct LayerWeights {
-  at::Tensor ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down;
+// A projection: an fp32 weight [out, in] (+ optional bias) run by our kernels / MKL, or any
+// Python callable x -> y (a quantized Linear module: int8 / int4 / GGUF kernels of its own).
+struct Projection {
+  at::Tensor weight, bias;
+  pybind11::object module;
+
+  static Projection from(const pybind11::object& obj, const pybind11::object& bias) {
+    Projection p;
+    if (THPVariable_Check(obj.ptr())) {
+      p.weight = obj.cast<at::Tensor>();
+      check_fp32_cpu(p.weight, "weight");
+      TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous(), "weights must be contiguous 2-D");
+      if (!bias.is_none()) {
+        at::Tensor b = bias.cast<at::Tensor>();
+        if (b.numel() > 0) p.bias = b;      // an empty tensor: no bias
+      }
+    } else {
+      TORCH_CHECK(PyCallable_Check(obj.ptr()), "a projection is an fp32 weight or a callable");
+      p.module = obj;
+    }
+    return p;
+  }
+
+  int64_t out_features(int64_t fallback) const { return weight.defined() ? weight.size(0) : fallback; }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (module) return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
+    at::Tensor y;
+    if (x.size(0) <= kSmallMMax) {
+      y = at::empty({x.size(0), weight.size(0)}, x.options());
+      linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
+                  x.size(0), x.size(1), weight.size(0));
+    } else {
+      // (W @ x^T)^T: measured faster than x @ W^T for 16..128 rows (layers/linear.py)
+      y = at::mm(weight, x.t()).t().contiguous();
+    }
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
 };
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  at::Tensor y;
-  if (x.size(0) <= kSmallMMax) {
-    y = at::empty({x.size(0), w.size(0)}, x.options());
-    linear_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), y.data_ptr<float>(),
-                x.size(0), x.size(1), w.size(0));
-  } else {
-    // (W @ x^T)^T: measured faster than x @ W^T for 16..128 rows (layers/linear.py)
-    y = at::mm(w, x.t()).t().contiguous();
-  }
-  if (bias.defined() && bias.numel() > 0) y.add_(bias);  // an empty tensor: no bias
-  return y;
-}
+struct LayerWeights {
+  at::Tensor ln1, ln2;
+  Projection qkv, o, gate_up, down;
+};
 
 }  // namespace
 
 class DecodeStack {
  public:
-  DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, double eps,
-              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+  DecodeStack(std::vector<std::vector<pybind11::object>> layers, at::Tensor final_norm,
+              double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
       : final_norm_(std::move(final_norm)), eps_(static_cast<float>(eps)), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), scale_(static_cast<float>(scale)) {
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "bad head configuration");
@@ -49,17 +79,20 @@ class DecodeStack {
     const int64_t qkv_out = (heads + 2 * kv_heads) * head_dim;
     for (auto& t : layers) {
       TORCH_CHECK(t.size() == 8, "each layer: ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down");
-      LayerWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]};
-      for (const at::Tensor* p : {&w.ln1, &w.qkv, &w.o, &w.ln2, &w.gate_up, &w.down}) {
-        check_fp32_cpu(*p, "weight");
-        TORCH_CHECK(p->is_contiguous(), "weights must be contiguous");
+      const pybind11::object none_bias = pybind11::none();
+      LayerWeights w{t[0].cast<at::Tensor>(), t[5].cast<at::Tensor>(),
+                     Projection::from(t[1], t[2]), Projection::from(t[3], t[4]),
+                     Projection::from(t[6], none_bias), Projection::from(t[7], none_bias)};
+      for (const at::Tensor* p : {&w.ln1, &w.ln2}) {
+        check_fp32_cpu(*p, "norm weight");
+        TORCH_CHECK(p->is_contiguous() && p->numel() == hidden_, "norm weight size");
       }
-      TORCH_CHECK(w.ln1.numel() == hidden_ && w.ln2.numel() == hidden_, "norm weight size");
-      TORCH_CHECK(w.qkv.size(0) == qkv_out && w.qkv.size(1) == hidden_, "qkv weight shape");
-      TORCH_CHECK(w.o.size(0) == hidden_ && w.o.size(1) == heads * head_dim, "o weight shape");
-      TORCH_CHECK(w.gate_up.size(1) == hidden_ && w.gate_up.size(0) % 2 == 0 &&
-                      w.down.size(0) == hidden_ && w.down.size(1) * 2 == w.gate_up.size(0),
-                  "mlp weight shapes");
+      TORCH_CHECK(!w.qkv.weight.defined() ||
+                      (w.qkv.weight.size(0) == qkv_out && w.qkv.weight.size(1) == hidden_),
+                  "qkv weight shape");
+      TORCH_CHECK(!w.o.weight.defined() ||
+                      (w.o.weight.size(0) == hidden_ && w.o.weight.size(1) == heads * head_dim),
+                  "o weight shape");
       layers_.push_back(std::move(w));
     }
   }
@@ -119,7 +152,8 @@ class DecodeStack {
                           w.ln1.data_ptr<float>(), h.data_ptr<float>(),
                           residual.data_ptr<float>(), n, hidden_, eps_);
       }
-      at::Tensor qkv = linear(h, w.qkv, w.qkv_bias);
+      at::Tensor qkv = w.qkv(h);
+      TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_row && qkv.stride(1) == 1, "qkv output");
       float* qkv_p = qkv.data_ptr<float>();
       const int64_t qkv_stride = qkv.stride(0);
       rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, cos.data_ptr<float>(), cos.stride(0),
@@ -136,16 +170,19 @@ class DecodeStack {
                            head_dim_};
       decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
                        heads_, kv_heads_, scale_, attn.data_ptr<float>());
-      at::Tensor o = linear(attn, w.o, w.o_bias);
+      at::Tensor o = w.o(attn);
+      TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
       add_rms_norm_rows(o.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
                         w.ln2.data_ptr<float>(), h.data_ptr<float>(), residual.data_ptr<float>(),
                         n, hidden_, eps_);
-      at::Tensor gate_up = linear(h, w.gate_up, at::Tensor());
+      at::Tensor gate_up = w.gate_up(h);
+      TORCH_CHECK(gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, "gate_up output");
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({n, inter}, hidden.options());
       silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
                         inter);
-      x = linear(act, w.down, at::Tensor());
+      x = w.down(act);
+      TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous(), "down_proj output");
     }
     at::Tensor out = at::empty_like(hidden);
     add_rms_norm_rows(x.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
@@ -164,8 +201,8 @@ class DecodeStack {
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
-                          int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<std::vector<pybind11::object>>, at::Tensor, double,
+                          int64_t, int64_t, int64_t, double>())
       .def("forward", &DecodeStack::forward);
 }
 
