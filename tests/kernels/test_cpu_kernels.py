@@ -133,6 +133,20 @@ def _kernels_off(llm, monkeypatch):
     monkeypatch.setattr(model, "_decode_stack_built", True, raising=False)
 
 
+def _check_on_equals_off(llm, prompts, monkeypatch, atol, max_tokens=12):
+    """Greedy tokens identical and logprobs within ``atol`` with kernels on (the stack must
+    really run) and off; the engine stays clean."""
+    on, on_lp = _greedy(llm, prompts, max_tokens=max_tokens)
+    assert llm.engine.runner.model._decode_stack is not None
+    with monkeypatch.context() as m:
+        _kernels_off(llm, m)
+        off, off_lp = _greedy(llm, prompts, max_tokens=max_tokens)
+    assert on == off
+    for a, b in zip(on_lp, off_lp):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
+    llm.engine.check_integrity()
+
+
 @needs_kernels
 @pytest.mark.slow
 def test_default_model_greedy_same_with_and_without_kernels(compiled, smollm_llm, monkeypatch):
@@ -160,16 +174,8 @@ def test_tiny_models_decode_stack_matches_python_layers(compiled, tiny_model_fac
     prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
     # batch sizes 3 (few-row kernel) and 12 (MKL path inside the stack)
     for batch in (prompts, prompts * 4):
-        llm = LLM(hf_dir, num_kv_blocks=64, block_size=4)
-        on, on_lp = _greedy(llm, batch, max_tokens=12)
-        assert llm.engine.runner.model._decode_stack is not None
-        with monkeypatch.context() as m:
-            _kernels_off(llm, m)
-            off, off_lp = _greedy(llm, batch, max_tokens=12)
-        assert on == off
-        for a, b in zip(on_lp, off_lp):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
-        llm.engine.check_integrity()
+        _check_on_equals_off(LLM(hf_dir, num_kv_blocks=64, block_size=4), batch, monkeypatch,
+                             atol=1e-4)
 
 
 @needs_kernels
@@ -182,15 +188,7 @@ def test_stack_calls_back_quantized_projections(compiled, tiny_model_factory, mo
     hf_dir, _ = tiny_model_factory("llama")
     llm = LLM(hf_dir, num_kv_blocks=64, block_size=4, quantization=quantization)
     prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
-    on, on_lp = _greedy(llm, prompts, max_tokens=12)
-    assert llm.engine.runner.model._decode_stack is not None
-    with monkeypatch.context() as m:
-        _kernels_off(llm, m)
-        off, off_lp = _greedy(llm, prompts, max_tokens=12)
-    assert on == off
-    for a, b in zip(on_lp, off_lp):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-3)
-    llm.engine.check_integrity()
+    _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-3)
 
 
 def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
@@ -222,12 +220,6 @@ def test_stack_runs_short_prefills_and_verification_like_python_layers(compiled,
 
     with monkeypatch.context() as m:
         m.setattr(type(model), "forward", spy)
-        on, on_lp = _greedy(llm, prompts, max_tokens=16)
-    assert model._decode_stack is not None and max(seen) > 1     # multi-token runs happened
-    with monkeypatch.context() as m:
-        _kernels_off(llm, m)
-        off, off_lp = _greedy(llm, prompts, max_tokens=16)
-    assert on == off
-    for a, b in zip(on_lp, off_lp):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
-    llm.engine.check_integrity()
+        _greedy(llm, prompts, max_tokens=16)
+    assert max(seen) > 1                                   # multi-token runs happened
+    _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4, max_tokens=16)
