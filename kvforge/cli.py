@@ -22,7 +22,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes shared across requests (radix tree)")
     g.add_argument("--scheduling-policy", default="fcfs")
+    g.add_argument("--mlfq-quanta", default=None, metavar="Q1,Q2,...",
+                   help="mlfq: quanta of the bounded levels in tokens of work, strictly "
+                        "increasing (default 64,256,1024; an unbounded level follows)")
+    g.add_argument("--mlfq-starvation-steps", type=int, default=256,
+                   help="mlfq: steps a waiting request may go unscheduled before promotion")
+    g.add_argument("--mlfq-prefill-weight", type=float, default=1.0,
+                   help="mlfq: work of one prefill token relative to one decode step, in (0, 1]")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    g.add_argument("--swap-copy-mode", default="auto", choices=["auto", "async", "sync"],
+                   help="swap copies on a worker thread / CUDA side stream (async) or inline")
+    g.add_argument("--swap-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="start swapping in the KV of the next waiting requests early (async)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="store paged K/V in 8 bits (4x the tokens of fp32 per byte)")
@@ -36,6 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="QUEST: tokens each decode step reads (whole blocks)")
     g.add_argument("--quest-dense-layers", type=int, default=2,
                    help="QUEST: the first layers stay dense")
+    g.add_argument("--attention-sinks", type=int, default=0,
+                   help="StreamingLLM: the first S tokens stay visible to every query "
+                        "(with --sliding-window)")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="StreamingLLM: attend to the sinks plus the last W tokens and free older "
+                        "KV blocks; generation may run past the model's context")
     g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: n-gram prompt lookup, or a draft model "
                         "(self-draft from the target's first layers unless --speculative-draft-model)")
@@ -58,13 +75,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
                 scheduling_policy=args.scheduling_policy,
-                preemption_mode=args.preemption_mode, num_threads=args.num_threads,
+                mlfq_quanta=args.mlfq_quanta, mlfq_starvation_steps=args.mlfq_starvation_steps,
+                mlfq_prefill_weight=args.mlfq_prefill_weight,
+                preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
+                swap_prefetch=args.swap_prefetch, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                 quantization_args=parse_quantization_args(args.quantization_arg),
                 sparse_attention=args.sparse_attention,
                 sparse_token_budget=args.sparse_token_budget,
                 quest_dense_layers=args.quest_dense_layers,
+                attention_sinks=args.attention_sinks, sliding_window=args.sliding_window,
                 speculative_method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_draft_model=args.speculative_draft_model,

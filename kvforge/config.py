@@ -37,12 +37,23 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True   # radix-tree reuse of KV across shared prefixes
     scheduling_policy: str = "fcfs"
+    # mlfq policy (sched/mlfq.py MLFQConfig): quanta of the bounded levels in tokens of work
+    # (None = 64,256,1024; a last unbounded level follows), steps a waiting request may starve
+    # before promotion to level 0, work of a prefill token relative to a decode step
+    mlfq_quanta: tuple[int, ...] | str | None = None
+    mlfq_starvation_steps: int = 256
+    mlfq_prefill_weight: float = 1.0
     # preemption (sched/swap.py): recompute | swap | auto (cost model); swapped KV goes to a
     # host pool of swap_host_blocks blocks (None = as many as the engine pool, 0 = disk only),
     # then to memory-mapped files under swap_dir (None = a temp dir)
     preemption_mode: str = "recompute"
     swap_host_blocks: int | None = None
     swap_dir: str | None = None
+    # swap copies (kvcache/copy_engine.py): async = a worker thread / CUDA side stream overlapping
+    # the forward, sync = inline; auto = async on CUDA or when a core is left for the worker.
+    # swap_prefetch: start the swap-in of the waiting queue's head early (async only)
+    swap_copy_mode: str = "auto"
+    swap_prefetch: bool = True
     attention_backend: str = "paged"
     kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (paged backend)
     quantization: str = "none"           # weight quantization method (kvforge.quant registry)
@@ -51,6 +62,10 @@ class EngineConfig:
     sparse_attention: str = "none"       # none | quest (attention/quest.py: sparse decode)
     sparse_token_budget: int = 2048      # QUEST: tokens each decode reads (whole blocks)
     quest_dense_layers: int = 2          # QUEST: the first layers stay dense
+    # StreamingLLM (attention/window.py): every query sees the first attention_sinks tokens and
+    # the last sliding_window; out-of-window KV blocks are freed. None = the model's own window
+    attention_sinks: int = 0
+    sliding_window: int | None = None
     seed: int = 0
     # speculative decoding (kvforge/spec): None | ngram | draft (self-draft unless a draft model)
     speculative_method: str | None = None
@@ -75,13 +90,20 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         from kvforge.sched.swap import validate_swap_args
-        validate_swap_args(self.preemption_mode, self.swap_host_blocks)
+        validate_swap_args(self.preemption_mode, self.swap_host_blocks, self.swap_copy_mode)
+        if not isinstance(self.swap_prefetch, bool):
+            raise ValueError(f"swap_prefetch must be True or False, got {self.swap_prefetch!r}")
+        from kvforge.sched.mlfq import mlfq_config_from_options
+        self.mlfq = mlfq_config_from_options(self.mlfq_quanta, self.mlfq_starvation_steps,
+                                             self.mlfq_prefill_weight)
         # an fp8 KV cache is an attention backend variant: swap "paged" for "paged_fp8_*"
         from kvforge.quant.fp8_kv import fp8_backend_name
         self.attention_backend = fp8_backend_name(self.attention_backend, self.kv_cache_dtype)
         # QUEST is an attention backend variant too: "paged" becomes "quest"
         from kvforge.attention.long_context import apply_sparse_attention
         apply_sparse_attention(self)
+        from kvforge.attention.window_setup import validate_window_args
+        validate_window_args(self)
         if self.speculative_method not in (None, "none", "ngram", "draft"):
             raise ValueError(f"speculative_method must be ngram or draft, got "
                              f"{self.speculative_method!r}")

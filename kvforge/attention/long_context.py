@@ -6,7 +6,8 @@ Two hooks keep the shared engine files to one line each:
   turns ``sparse_attention="quest"`` into ``attention_backend="quest"``.
 - ``configure_long_context(model, config)`` (ModelRunner, after loading): the attention
   backends are built by the model without knowing their layer index or the budget, so the
-  runner hands both to every QUEST backend afterwards.
+  runner hands both to every QUEST backend afterwards; attention windows (StreamingLLM flags
+  or the model's own sliding window) replace the paged backends here too.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def apply_sparse_attention(config: "EngineConfig") -> None:
 
 
 def configure_long_context(model: "torch.nn.Module", config: "EngineConfig") -> None:
+    # sinks + sliding window (attention/window_setup.py): swaps in windowed backends, if any
+    from kvforge.attention.window_setup import configure_attention_window
+    configure_attention_window(model, config)
     if config.attention_backend == "quest":
         from kvforge.attention.quest import configure_quest
         if configure_quest(model, config.sparse_token_budget, config.quest_dense_layers) == 0:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.attention.window_setup import (STREAMING_MAX_MODEL_LEN, log_prefix_caching,
+                                            resolve_attention_window)
 from kvforge.config import EngineConfig
 from kvforge.detokenizer import IncrementalDetokenizer
 from kvforge.engine.model_runner import ModelRunner
@@ -76,13 +78,19 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.load_tokenizer()
         context = self.model_config.max_position_embeddings
+        # sinks + sliding window (attention/window_setup.py); None = full attention
+        window = resolve_attention_window(config, self.model_config)
+        if window is not None and window.from_flags:
+            context = STREAMING_MAX_MODEL_LEN     # StreamingLLM distances never exceed S + W
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
                              f"length {context}")
         self.max_model_len = config.max_model_len or context
         self.runner = ModelRunner(config, source, self.max_model_len)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                         enable_prefix_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size,
+            enable_prefix_caching=log_prefix_caching(window, config.enable_prefix_caching),
+            window=window.kv_window if window is not None else None)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
@@ -90,7 +98,7 @@ class LLMEngine:
             max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            block_size=config.block_size), self.kv_manager)
+            block_size=config.block_size, mlfq=config.mlfq), self.kv_manager)
         # swap preemption (sched/swap.py); None = recompute
         self.scheduler.swapper = build_kv_swapper(config, self.runner, self.kv_manager)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -266,6 +274,13 @@ class LLMEngine:
         """PrefixCacheStats (queries, query/hit tokens, hit_rate, evicted/cached blocks) or
         None with --no-enable-prefix-caching."""
         return self.kv_manager.prefix_cache_stats
+
+    @property
+    def swap_stats(self):
+        """SwapStats (swap-outs/ins, prefetches, copy / exposed / overlapped seconds) or None
+        with preemption_mode recompute."""
+        swapper = self.scheduler.swapper
+        return swapper.stats if swapper is not None else None
 
     @property
     def spec_stats(self):

@@ -12,17 +12,30 @@ block copies it first (copy-on-write):
     parent: [b5, b2]   child: [b5, b2]      prompt = 6 tokens, b2 half full, ref_cnt(b2) == 2
     child decodes pos 6 -> lands in b2 (shared) -> new block b7, copy (b2 -> b7)
     parent: [b5, b2]   child: [b5, b7]      ref_cnt(b2) == 1, ref_cnt(b7) == 1
+
+With an attention window (``attention/window.py``: S sinks, W window) blocks that no future
+query can see are released as the request moves on; their table entries become ``NULL_BLOCK``
+so that ``block_table[p // B]`` still indexes every live position (B = 4, S = 2, W = 6):
+
+    next position 14, window 9..14:   [b5, NULL, b9, b4]     b5: sinks 0-3 (never released)
+                                       0-3  4-7   8-11 12-15  4-7: dead, b2 back in the pool
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from kvforge.attention.window import AttentionWindow
 from kvforge.engine.request import Request
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
 from kvforge.kvcache.radix_tree import MatchResult
+
+
+# table entry of a block released because it left the attention window
+NULL_BLOCK = -1
 
 
 class AllocatedSlots(NamedTuple):
@@ -30,6 +43,7 @@ class AllocatedSlots(NamedTuple):
 
     new_block_ids: list[int]               # blocks appended or swapped in (copy destinations)
     block_copies: list[tuple[int, int]]    # (src, dst): copy src's KV into dst before the forward
+    released_block_ids: list[int] = []     # left the attention window (table entries -> NULL_BLOCK)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,12 +53,26 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """req_id -> block table; every reference count change goes through ``self.pool``."""
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 window: AttentionWindow | None = None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if window is not None and enable_prefix_caching:
+            raise ValueError("an attention window releases blocks a cached prefix would share: "
+                             "turn prefix caching off")
         self.block_size = block_size
+        # blocks out of every future query's window are released (None: all kept)
+        self.window = window
         self.pool = BlockPool(num_blocks)
+        # Most new tokens per allocation so that a request alone always fits (the scheduler
+        # caps chunks at it): with a window, the largest n with max_live_blocks(B, n) <=
+        # num_blocks, i.e. sink_blocks + ceil((B - 1 + W - 1 + n) / B) <= num_blocks. Unlimited
+        # without one (a sequence must fit whole), or when not even a decode's blocks fit.
+        self.max_chunk_tokens = sys.maxsize
+        if window is not None:
+            fit = ((num_blocks - window.num_sink_blocks(block_size)) * block_size
+                   - (block_size - 1) - (window.window - 1))
+            self.max_chunk_tokens = fit if fit >= 1 else sys.maxsize
         self._block_tables: dict[str, list[int]] = {}
         # radix-tree prefix cache (kvcache/prefix_cache.py); it holds one ref per cached block
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
@@ -76,6 +104,17 @@ class KVCacheManager:
     def has_blocks(self, request_id: str) -> bool:
         return bool(self._block_tables.get(request_id))
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request references (its table minus released entries)."""
+        return sum(b != NULL_BLOCK for b in self._block_tables.get(request_id, ()))
+
+    def max_tokens_per_request(self, chunked: bool = True) -> int:
+        """Longest sequence one request can grow to alone: the whole pool, or unbounded with a
+        window when (``chunked``) its chunks are capped at ``max_chunk_tokens``."""
+        if self.max_chunk_tokens < sys.maxsize and chunked:
+            return sys.maxsize
+        return self.num_blocks * self.block_size
+
     def request_ids(self) -> list[str]:
         return list(self._block_tables)
 
@@ -102,6 +141,8 @@ class KVCacheManager:
         blocks the head of its table and the request's computed tokens start at
         ``prefix.num_tokens``; the caller sets ``num_computed_tokens`` to that on success.
         Cached blocks no request uses are evicted when the free queue alone is too short.
+        With a window, blocks no query from ``num_computed_tokens`` on can see are released
+        first (also when the call then returns None: they are dead either way).
         """
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
@@ -116,6 +157,8 @@ class KVCacheManager:
             self.pool.incref(prefix.block_ids)
             table = list(prefix.block_ids)
             first_pos = prefix.num_tokens
+        released = (self._release_out_of_window(table, first_pos)
+                    if self.window is not None and num_new_tokens > 0 else [])
         end_pos = first_pos + num_new_tokens
         num_needed = cdiv(end_pos, self.block_size)
         num_missing = max(0, num_needed - len(table))
@@ -143,7 +186,22 @@ class KVCacheManager:
         table.extend(new_block_ids[len(shared_idx):])
         if table:
             self._block_tables[request_id] = table
-        return AllocatedSlots(new_block_ids, copies)
+        return AllocatedSlots(new_block_ids, copies, released)
+
+    def _release_out_of_window(self, table: list[int], next_pos: int) -> list[int]:
+        """Release the table's blocks dead for queries at ``next_pos`` and later. Released
+        entries form one run from the first non-sink block, so scanning down from the top of
+        the dead range stops at the first entry released before: O(newly dead blocks)."""
+        dead = self.window.dead_blocks(next_pos, self.block_size)
+        released = []
+        for i in reversed(range(dead.start, min(dead.stop, len(table)))):
+            if table[i] == NULL_BLOCK:
+                break
+            released.append(table[i])
+            table[i] = NULL_BLOCK
+        released.reverse()                                    # table order
+        self.pool.free(released)
+        return released
 
     def _allocate(self, num_blocks: int) -> list[int] | None:
         short = num_blocks - self.pool.num_free_blocks
@@ -180,7 +238,7 @@ class KVCacheManager:
         if child_id in self._block_tables:
             raise ValueError(f"cannot fork into {child_id!r}: it already holds blocks")
         table = list(self._block_tables[parent_id])
-        self.pool.incref(table)
+        self.pool.incref(b for b in table if b != NULL_BLOCK)
         self._block_tables[child_id] = table
         if self.prefix_cache is not None:
             self.prefix_cache.fork(parent_id, child_id)
@@ -195,13 +253,25 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.release(request_id)
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+
+    def check_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Window invariant of a running request: every block a query from
+        ``num_computed_tokens`` on can see is held (released entries only in the dead range)."""
+        if self.window is None:
+            return
+        dead = self.window.dead_blocks(num_computed_tokens, self.block_size)
+        for i, block in enumerate(self._block_tables.get(request_id, ())):
+            assert block != NULL_BLOCK or i in dead, (
+                f"{request_id!r}: block {i} released but visible from position "
+                f"{num_computed_tokens} ({self.window})")
 
     def check_integrity(self, extra_refs: Mapping[int, int] | None = None) -> None:
         """Pool integrity, plus: table references (+ ``extra_refs``, e.g. held by a prefix cache)
         to each block equal its ref_cnt."""
         self.pool.check_integrity()
-        refs = Counter(b for table in self._block_tables.values() for b in table)
+        refs = Counter(b for table in self._block_tables.values() for b in table
+                       if b != NULL_BLOCK)
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity(self._block_tables)
             refs.update(self.prefix_cache.block_refs())
@@ -209,6 +279,11 @@ class KVCacheManager:
             refs[block_id] += count
         for table_owner, table in self._block_tables.items():
             assert table, f"{table_owner!r} has an empty block table entry"
+            if self.window is None:
+                assert NULL_BLOCK not in table, f"{table_owner!r} released a block without a window"
+            else:
+                sinks = self.window.num_sink_blocks(self.block_size)
+                assert NULL_BLOCK not in table[:sinks], f"{table_owner!r} released a sink block"
         for block in self.pool.blocks:
             assert refs[block.block_id] == block.ref_cnt, (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} "

@@ -12,8 +12,13 @@ block covering its computed tokens), bytes unchanged, into one tier:
     DiskKVTier  one np.memmap file per request: [layers, P, num_blocks, bytes per block-plane]
 
 Copies go through uint8 views of the tensors, so any cache dtype (fp32, bf16, fp8) round-trips
-bit for bit. Both tiers own their bookkeeping and ``check_integrity()``; the runner does the
-copies (``KVSwapper`` in kvforge/engine/kv_swap.py), the scheduler decides (kvforge/sched/swap.py).
+bit for bit. Both tiers own their bookkeeping and ``check_integrity()``; the scheduler decides
+(``KVSwapper`` in kvforge/sched/swap.py). Bookkeeping and bytes are separate calls so that the
+bytes can move on a copy worker (kvforge/kvcache/copy_engine.py) while the scheduling thread
+alone touches the bookkeeping:
+
+    reserve (tier space, handle)  ─►  copy_out (bytes)  ...  copy_in (bytes)  ─►  release
+    scheduling thread                 any thread              any thread         scheduling thread
 """
 from __future__ import annotations
 
@@ -102,20 +107,27 @@ class DiskKVTier:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in request_id)
         return os.path.join(self.cache_dir, f"kv-{safe}-{len(self._paths)}-{os.getpid()}.bin")
 
-    def write(self, request_id: str, layers: list[torch.Tensor]) -> str:
-        """``layers[l]`` = uint8 [P, n, bytes]; returns the file path."""
+    def create(self, request_id: str, shape: tuple[int, ...]) -> str:
+        """Make the (sparse) file of one request, ``shape`` = [layers, P, n, bytes]; the bytes
+        come later (``write``, possibly on another thread)."""
         path = self.path_for(request_id)
-        shape = (len(layers), *layers[0].shape)
-        arr = np.memmap(path, dtype=np.uint8, mode="w+", shape=shape)
+        with open(path, "wb") as f:
+            f.truncate(int(np.prod(shape)))
+        self._paths[request_id] = path
+        return path
+
+    @staticmethod
+    def write(path: str, layers: list[torch.Tensor]) -> None:
+        """``layers[l]`` = uint8 [P, n, bytes] into a file made by ``create``."""
+        arr = np.memmap(path, dtype=np.uint8, mode="r+", shape=(len(layers), *layers[0].shape))
         for l, t in enumerate(layers):
             arr[l] = t.numpy()
         arr.flush()
         del arr
-        self._paths[request_id] = path
-        return path
 
-    def read(self, request_id: str, shape: tuple[int, ...]) -> np.memmap:
-        return np.memmap(self._paths[request_id], dtype=np.uint8, mode="r", shape=shape)
+    @staticmethod
+    def read(path: str, shape: tuple[int, ...]) -> np.memmap:
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=shape)
 
     def delete(self, request_id: str) -> None:
         path = self._paths.pop(request_id)
@@ -143,63 +155,88 @@ class TieredKVStore:
         self.handles: dict[str, SwapHandle] = {}
         self.block_bytes = sum(_as_bytes(c)[:, :1].numel() for c in kv_caches)
 
-    def swap_out(self, request_id: str, block_ids: list[int], num_tokens: int,
-                 force_disk: bool = False) -> SwapHandle:
-        """Copy the engine blocks ``block_ids`` (the request's blocks 0..n-1) to a tier."""
+    def reserve(self, request_id: str, num_blocks: int, num_tokens: int,
+                force_disk: bool = False) -> SwapHandle:
+        """Tier space for a snapshot of ``num_blocks`` blocks (host if it has room, else disk);
+        the bytes come with ``copy_out``."""
         if request_id in self.handles:
             raise ValueError(f"request {request_id!r} is already swapped out")
-        n = len(block_ids)
-        index = torch.tensor(block_ids, dtype=torch.long)
-        host_ids = None if force_disk else self.host.allocate(request_id, n)
+        host_ids = None if force_disk else self.host.allocate(request_id, num_blocks)
         if host_ids is not None:
-            dst = torch.tensor(host_ids, dtype=torch.long)
-            for cache, host in zip(self.kv_caches, self.host.caches):
-                _as_bytes(host).index_copy_(1, dst, _as_bytes(cache).index_select(1, index))
-            handle = SwapHandle(request_id, num_tokens, n, "host", host_block_ids=host_ids)
+            handle = SwapHandle(request_id, num_tokens, num_blocks, "host", host_block_ids=host_ids)
         else:
-            path = self.disk.write(request_id, [_as_bytes(c).index_select(1, index).cpu()
-                                                for c in self.kv_caches])
-            handle = SwapHandle(request_id, num_tokens, n, "disk", path=path)
-        handle.num_bytes = n * self.block_bytes
+            first = _as_bytes(self.kv_caches[0])
+            path = self.disk.create(request_id, (len(self.kv_caches), first.shape[0], num_blocks,
+                                                 first.shape[2]))
+            handle = SwapHandle(request_id, num_tokens, num_blocks, "disk", path=path)
+        handle.num_bytes = num_blocks * self.block_bytes
         self.handles[request_id] = handle
         return handle
 
-    def swap_in(self, request_id: str, block_ids: list[int], first_block: int = 0) -> SwapHandle:
-        """Copy tier blocks ``first_block ..`` into engine blocks ``block_ids`` (same count) and
-        release the tier's copy. Blocks before ``first_block`` the caller already has (prefix
-        cache)."""
-        handle = self.handles.pop(request_id)
+    def copy_out(self, handle: SwapHandle, block_ids: list[int]) -> None:
+        """Bytes of engine blocks ``block_ids`` (the request's blocks 0..n-1) into the handle's
+        tier space. Touches no bookkeeping: safe on a copy worker."""
+        if len(block_ids) != handle.num_blocks:
+            raise ValueError(f"{handle.request_id!r}: {len(block_ids)} blocks for a snapshot of "
+                             f"{handle.num_blocks}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+        if handle.tier == "host":
+            dst = torch.tensor(handle.host_block_ids, dtype=torch.long)
+            for cache, host in zip(self.kv_caches, self.host.caches):
+                _as_bytes(host).index_copy_(1, dst, _as_bytes(cache).index_select(1, index).cpu())
+        else:
+            self.disk.write(handle.path, [_as_bytes(c).index_select(1, index).cpu()
+                                          for c in self.kv_caches])
+
+    def copy_in(self, handle: SwapHandle, block_ids: list[int], first_block: int = 0) -> None:
+        """Bytes of tier blocks ``first_block ..`` into engine blocks ``block_ids`` (same count).
+        Blocks before ``first_block`` the caller already has (prefix cache). Touches no
+        bookkeeping: safe on a copy worker."""
         if first_block + len(block_ids) > handle.num_blocks:
-            raise ValueError(f"swap-in of {request_id!r}: blocks {first_block}+{len(block_ids)} "
-                             f"past the {handle.num_blocks} swapped")
+            raise ValueError(f"swap-in of {handle.request_id!r}: blocks {first_block}+"
+                             f"{len(block_ids)} past the {handle.num_blocks} swapped")
         dst = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
         if handle.tier == "host":
             src = torch.tensor(handle.host_block_ids[first_block:first_block + len(block_ids)],
                                dtype=torch.long)
             for cache, host in zip(self.kv_caches, self.host.caches):
-                _as_bytes(cache).index_copy_(1, dst, _as_bytes(host).index_select(1, src).to(cache.device))
-            self.host.free(request_id, handle.host_block_ids)
+                rows = _as_bytes(host).index_select(1, src).to(cache.device)
+                _as_bytes(cache).index_copy_(1, dst, rows)
         else:
             first = _as_bytes(self.kv_caches[0])
-            arr = self.disk.read(request_id, (len(self.kv_caches), first.shape[0],
-                                              handle.num_blocks, first.shape[2]))
+            arr = self.disk.read(handle.path, (len(self.kv_caches), first.shape[0],
+                                               handle.num_blocks, first.shape[2]))
             rows = slice(first_block, first_block + len(block_ids))
             for l, cache in enumerate(self.kv_caches):
                 data = torch.from_numpy(np.array(arr[l][:, rows]))     # a writable copy
                 _as_bytes(cache).index_copy_(1, dst, data.to(cache.device))
             del arr
-            self.disk.delete(request_id)
-        return handle
 
-    def discard(self, request_id: str) -> None:
-        """Drop a swapped request's KV (it was aborted or finished while swapped out)."""
-        handle = self.handles.pop(request_id, None)
-        if handle is None:
-            return
+    def release(self, request_id: str) -> SwapHandle:
+        """Free a snapshot's tier space (its copies must be done)."""
+        handle = self.handles.pop(request_id)
         if handle.tier == "host":
             self.host.free(request_id, handle.host_block_ids)
         else:
             self.disk.delete(request_id)
+        return handle
+
+    def swap_out(self, request_id: str, block_ids: list[int], num_tokens: int,
+                 force_disk: bool = False) -> SwapHandle:
+        """Synchronous ``reserve`` + ``copy_out``."""
+        handle = self.reserve(request_id, len(block_ids), num_tokens, force_disk)
+        self.copy_out(handle, block_ids)
+        return handle
+
+    def swap_in(self, request_id: str, block_ids: list[int], first_block: int = 0) -> SwapHandle:
+        """Synchronous ``copy_in`` + ``release``."""
+        self.copy_in(self.handles[request_id], block_ids, first_block)
+        return self.release(request_id)
+
+    def discard(self, request_id: str) -> None:
+        """Drop a swapped request's KV (it was aborted or finished while swapped out)."""
+        if request_id in self.handles:
+            self.release(request_id)
 
     def check_integrity(self) -> None:
         handles = list(self.handles.values())

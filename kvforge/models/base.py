@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvforge.layers.linear import Linear, MergedLinear
+from kvforge.layers.moe import FusedMoE
 
 
 class PagedKVModelMixin:
@@ -76,6 +77,10 @@ def expected_weight_keys(model: nn.Module, extra=None) -> set[str]:
             expected |= {f"{name}.{k}#{i}" for k in kinds for i in range(len(module.output_sizes))}
         elif isinstance(module, Linear):
             expected |= {f"{name}.weight"} | ({f"{name}.bias"} if module.has_bias else set())
+        elif isinstance(module, FusedMoE):
+            # whatever its method stores (float w13/w2, int8 codes + scales, ...); per-expert
+            # completeness is FusedMoE.check_loaded's job
+            expected |= {f"{name}.w13", f"{name}.w2"}
         else:
             expected |= {f"{name}.{p}" for p in module._parameters}
     return expected

@@ -5,9 +5,8 @@ Differences between the members are config flags, not code paths:
   - q/k/v biases: ``attention_bias`` (Qwen2 always; Llama's flag also adds an o_proj bias)
   - ``head_dim`` may differ from hidden_size / num_heads
   - tied or separate ``lm_head``; rope_scaling default / linear / llama3 (see layers/rotary.py)
-  - sliding window (Mistral, some Qwen2) is NOT applied here yet: attention is full causal, which
-    is exact as long as sequences stay within ``sliding_window`` tokens (a separate backend
-    handles windows).
+  - sliding window (Mistral, Qwen2 with use_sliding_window): not here; after loading,
+    ``attention/window_setup.py`` gives the windowed layers a ``WindowedAttentionBackend``.
 Module names follow HF so checkpoint names map directly; q/k/v load into one ``qkv_proj`` and
 gate/up into one ``gate_up_proj`` (one matmul each instead of three / two).
 """

@@ -3,9 +3,11 @@
 Contract: a ``QuantizationConfig`` subclass is registered under its CLI name
 (``--quantization NAME``). The model asks ``get_linear_method(prefix)`` for every linear layer
 it builds (``prefix`` is the HF module name, e.g. ``model.layers.3.mlp.down_proj`` or
-``lm_head``); returning ``None`` keeps that layer unquantized. The returned method
-(kvforge.layers.linear.LinearMethod) owns the layer's storage and kernel; quantization happens in
-``process_weights_after_loading`` (or at load for pre-quantized sources such as GGUF blocks).
+``lm_head``); returning ``None`` keeps that layer unquantized (MoE routers are never asked).
+``get_experts_method(prefix)`` does the same for the stacked experts of a ``FusedMoE``. The
+returned method (kvforge.layers.linear.LinearMethod) owns the layer's storage and kernel;
+quantization happens in ``process_weights_after_loading`` (or at load for pre-quantized sources
+such as GGUF blocks).
 Methods that need calibration (AWQ, SmoothQuant) implement ``calibrate(model, batches)``, called
 by the engine before weights are finalised; their results are saved with the model so that a
 reload does not recalibrate.
@@ -53,6 +55,13 @@ def _import_builtin() -> None:
             importlib.import_module(f"kvforge.quant.{mod.name}")
 
 
+def is_moe_router(prefix: str) -> bool:
+    """Whether a linear layer is an MoE router (Mixtral / Qwen2-MoE ``mlp.gate``, Qwen2-MoE's
+    ``shared_expert_gate``): every config keeps these float, since a rounding error there
+    changes which experts run, and they are tiny ([E, H])."""
+    return prefix.endswith(".mlp.gate") or prefix.endswith(".shared_expert_gate")
+
+
 def is_lm_head(prefix: str) -> bool:
     """Whether a linear layer's HF module name is the output projection (configs treat it apart:
     it feeds the logits directly and is the largest single matrix of small models)."""
@@ -65,6 +74,11 @@ class QuantizationConfig(ABC):
 
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethod | None: ...
+
+    def get_experts_method(self, prefix: str):
+        """The ``ExpertsMethod`` (layers/moe.py) for the ``FusedMoE`` named ``prefix``; None keeps
+        the experts float (the default: only weight-only int8/int4 quantize experts)."""
+        return None
 
     def calibrate(self, model, batches) -> None:  # pragma: no cover - only calibrating methods
         raise NotImplementedError(f"{self.name} needs no calibration")

@@ -9,7 +9,9 @@ Flow (the engine, or a test, drives it):
                                                        ``finish`` turns stats into per-input-
                                                        channel scales and quantizes
     (or) config.load_calibration_state(saved)          before process_weights_after_loading: the
-                                                       saved scales quantize without recalibrating
+                                                       saved states quantize without recalibrating
+    (or) load a saved directory (serialize.py)         each shard arrives as ``InputScaledRows``
+                                                       (quantized rows + s) and is installed as is
 
 A pending layer refuses to run outside calibration (RuntimeError), so a model whose calibration
 was forgotten can never silently serve float weights.
@@ -18,13 +20,17 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.layers.linear import Linear, UnquantizedLinearMethod
 from kvforge.quant.base import QuantizationConfig
+from kvforge.quant.w8a8_ops import float_weight, take_float_weight
 
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
 
@@ -66,9 +72,28 @@ def run_calibration_forward(model, batches: Iterable[Sequence[int]], block_size:
     return num_tokens
 
 
+@dataclass
+class InputScaledRows:
+    """Saved rows of a calibrated layer: the quantized rows of W * s (``Int4Blocks`` or
+    ``Int8Rows``) and the per-input-channel s the layer divides its input by. A reload installs
+    them as they are, without recalibrating. Fused layers save s with every shard (one input)."""
+    rows: Any
+    input_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.rows.shape)
+
+
 class CalibratedLinearMethod(UnquantizedLinearMethod):
-    """Float storage until ``finish(layer, scales)`` quantizes; records input statistics while
-    its config is calibrating. Subclasses implement ``compute_scales`` and ``quantize``."""
+    """Float storage until ``finish(layer, state)`` quantizes; records input statistics while
+    its config is calibrating. ``state`` is a dict of tensors with at least ``"scales"`` (s per
+    input channel: the layer computes (x / s) @ Q(W * s)^T) plus what else the method chose.
+
+    Subclasses implement ``compute_state`` (stats -> state), ``quantized_rows`` (float W and
+    state -> rows of Q(W * s)), ``install`` (create the quantized storage), ``load_rows`` (write
+    rows into it), ``export_rows`` (read them back for saving) and ``apply_quantized``. The
+    same ``install``/``load_rows`` serve calibration and the reload of saved rows."""
 
     def __init__(self, config: "CalibratedQuantConfig", prefix: str, max_samples: int = 0) -> None:
         self.config = config
@@ -77,27 +102,77 @@ class CalibratedLinearMethod(UnquantizedLinearMethod):
         self.abs_max: torch.Tensor | None = None
         self.abs_sum: torch.Tensor | None = None
         self.num_rows = 0
-        self.samples: list[torch.Tensor] = []
-        self.scales: torch.Tensor | None = None  # per input channel, set by finish
+        self.samples: torch.Tensor | None = None   # [<= max_samples, in], a uniform sample
+        self.state: dict[str, torch.Tensor] | None = None   # set when quantized
+        self._rows_loaded = 0                   # saved rows installed so far (reload path)
+        self._sampler = torch.Generator().manual_seed(0)
 
     @property
     def quantized(self) -> bool:
-        return self.scales is not None
+        return self.state is not None
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return None if self.state is None else self.state["scales"]
+
+    # ------------------------------------------------------------------ loading
+    def load_weight(self, layer, kind, loaded, output_offset):
+        if kind == "weight" and isinstance(loaded, InputScaledRows):
+            self._load_saved(layer, loaded, output_offset)
+        elif kind == "weight" and self.quantized:
+            raise ValueError(f"{self.name()} layer {self.prefix!r} is already quantized; got a "
+                             f"float weight for it")
+        elif kind == "weight" and not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{self.name()} layer {self.prefix!r} got saved rows "
+                             f"({type(loaded).__name__}) without their input scales")
+        else:
+            super().load_weight(layer, kind, loaded, output_offset)
+
+    def _load_saved(self, layer, saved: InputScaledRows, offset: int) -> None:
+        scale = saved.input_scale.float()
+        if scale.shape != (layer.input_size,):
+            raise ValueError(f"saved input scales of shape {tuple(scale.shape)} for "
+                             f"{self.prefix!r}, expected ({layer.input_size},)")
+        if self.state is None:
+            self._install(layer, scale)
+            self.state = {"scales": scale.clone()}
+        elif not torch.equal(scale, self.state["scales"]):
+            raise ValueError(f"shards of {self.prefix!r} were saved with different input scales")
+        self.load_rows(layer, saved.rows, offset)
+        self._rows_loaded += saved.shape[0]
 
     def process_weights_after_loading(self, layer):
-        saved = self.config.saved_scales.get(self.prefix)
+        saved = self.config.saved_state.get(self.prefix)
         if saved is not None and not self.quantized:
             self.finish(layer, saved)
+        if 0 < self._rows_loaded != layer.output_size:
+            raise ValueError(f"{self.prefix!r} got {self._rows_loaded} of {layer.output_size} "
+                             f"saved weight rows")
 
+    # ------------------------------------------------------------------ calibration
     def record(self, x2d: torch.Tensor) -> None:
         a = x2d.detach().float().abs()
         amax, asum = a.amax(dim=0), a.sum(dim=0)
         self.abs_max = amax if self.abs_max is None else torch.maximum(self.abs_max, amax)
         self.abs_sum = asum if self.abs_sum is None else self.abs_sum + asum
+        if self.max_samples:
+            self._sample(x2d.detach().float())
         self.num_rows += a.shape[0]
-        kept = sum(s.shape[0] for s in self.samples)
-        if kept < self.max_samples:
-            self.samples.append(x2d.detach().float()[: self.max_samples - kept].clone())
+
+    def _sample(self, x: torch.Tensor) -> None:
+        """Reservoir sampling (Algorithm R): after any number of calls every row seen is kept
+        with the same probability, so a search sees all calibration windows, not the first."""
+        if self.samples is None:
+            self.samples = x.new_empty(0, x.shape[1])
+        room = self.max_samples - self.samples.shape[0]
+        if room > 0:
+            self.samples = torch.cat([self.samples, x[:room]])
+        seen = self.num_rows + max(room, 0)        # index of x's first row not yet placed
+        for i in range(max(room, 0), x.shape[0]):
+            j = int(torch.randint(0, seen + 1, (1,), generator=self._sampler))
+            if j < self.max_samples:
+                self.samples[j] = x[i]
+            seen += 1
 
     def apply(self, layer, x):
         if self.quantized:
@@ -109,26 +184,53 @@ class CalibratedLinearMethod(UnquantizedLinearMethod):
         self.record(x.reshape(-1, layer.input_size))
         return super().apply(layer, x)
 
-    def finish(self, layer: Linear, scales: torch.Tensor | None = None) -> None:
-        if scales is None:
+    def finish(self, layer: Linear, state: dict[str, torch.Tensor] | None = None) -> None:
+        if state is None:
             if self.abs_max is None:
                 raise RuntimeError(f"layer {self.prefix!r} saw no calibration input")
-            scales = self.compute_scales(layer)
-        if scales.shape != (layer.input_size,):
-            raise ValueError(f"scales of shape {tuple(scales.shape)} for {self.prefix!r}, "
-                             f"expected ({layer.input_size},)")
-        self.scales = scales.float().clone()
-        self.quantize(layer, self.scales)
-        self.abs_max = self.abs_sum = None
-        self.samples = []
+            state = self.compute_state(layer)
+        state = {k: torch.as_tensor(v).float().clone() for k, v in state.items()}
+        if "scales" not in state or state["scales"].shape != (layer.input_size,):
+            shape = tuple(state["scales"].shape) if "scales" in state else None
+            raise ValueError(f"scales of shape {shape} for {self.prefix!r}, expected "
+                             f"({layer.input_size},)")
+        rows = self.quantized_rows(float_weight(layer), state)
+        self._install(layer, state["scales"])
+        self.load_rows(layer, rows, 0)
+        self.state = state
+        self.abs_max = self.abs_sum = self.samples = None
+
+    def _install(self, layer: Linear, scales: torch.Tensor) -> None:
+        """Drop the float weight and create the quantized storage, keeping a loaded bias."""
+        bias = layer.bias.detach().clone() if layer.has_bias else None
+        dtype = float_weight(layer).dtype
+        take_float_weight(layer)
+        self.install(layer, scales, dtype)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+
+    def name(self) -> str:
+        return self.config.name
 
     @abstractmethod
-    def compute_scales(self, layer: Linear) -> torch.Tensor:
-        """Per-input-channel scale s: the layer will compute (x / s) @ (W * s)^T."""
+    def compute_state(self, layer: Linear) -> dict[str, torch.Tensor]:
+        """Calibration stats -> state: ``"scales"`` [in] (the layer will compute
+        (x / s) @ (W * s)^T) and anything else ``quantized_rows`` needs."""
 
     @abstractmethod
-    def quantize(self, layer: Linear, scales: torch.Tensor) -> None:
-        """Replace the float weight by the quantized storage of W * s."""
+    def quantized_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor]) -> Any:
+        """Float W [out, in] -> the quantized rows of W * s (the form ``load_rows`` takes)."""
+
+    @abstractmethod
+    def install(self, layer: Linear, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """Create the quantized storage (the float weight is already gone)."""
+
+    @abstractmethod
+    def load_rows(self, layer: Linear, rows: Any, output_offset: int) -> None: ...
+
+    @abstractmethod
+    def export_rows(self, layer: Linear) -> Any:
+        """The quantized rows in the form ``load_rows`` takes (what a save writes)."""
 
     @abstractmethod
     def apply_quantized(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
@@ -140,7 +242,7 @@ class CalibratedQuantConfig(QuantizationConfig):
     def __init__(self) -> None:
         self.calibrating = False
         self.methods: dict[str, CalibratedLinearMethod] = {}
-        self.saved_scales: dict[str, torch.Tensor] = {}
+        self.saved_state: dict[str, dict[str, torch.Tensor]] = {}
 
     def register_method(self, method: CalibratedLinearMethod) -> CalibratedLinearMethod:
         self.methods[method.prefix] = method
@@ -175,10 +277,20 @@ class CalibratedQuantConfig(QuantizationConfig):
             self.calibrating = False
         layer.method.finish(layer)
 
-    def calibration_state(self) -> dict[str, torch.Tensor]:
-        """{layer prefix: per-input-channel scales}: what a save needs to skip recalibration."""
-        return {p: m.scales.clone() for p, m in self.methods.items() if m.scales is not None}
+    def calibration_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{layer prefix: state}: what quantizes a float model again without calibrating
+        (``state["scales"]`` per input channel, plus method extras such as AWQ's clip ranges;
+        a layer reloaded from saved rows knows only its scales: save the directory instead)."""
+        return {p: {k: v.clone() for k, v in m.state.items()}
+                for p, m in self.methods.items() if m.state is not None}
 
-    def load_calibration_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Install saved scales; call before the model's weights are loaded/processed."""
-        self.saved_scales = {p: torch.as_tensor(s).float() for p, s in state.items()}
+    def load_calibration_state(self, state: dict[str, dict[str, torch.Tensor] | torch.Tensor]
+                               ) -> None:
+        """Install saved states (a bare tensor is taken as ``{"scales": tensor}``); call before
+        the model's weights are loaded/processed."""
+        self.saved_state = {p: dict(v) if isinstance(v, dict) else {"scales": torch.as_tensor(v)}
+                            for p, v in state.items()}
+
+    def pending_layers(self) -> list[str]:
+        """Prefixes of this config's layers that are not quantized yet."""
+        return [p for p, m in self.methods.items() if not m.quantized]

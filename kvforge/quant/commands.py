@@ -42,7 +42,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kvforge.quant.loading import weight_bytes
     from kvforge.quant.serialize import save_quantized
     if args.quantization in (None, "", "none"):
-        raise ValueError("kvforge quantize needs --quantization (int8, int4, gguf)")
+        raise ValueError("kvforge quantize needs --quantization (int8, int4, gguf, awq, "
+                         "smoothquant, llm_int8)")
     t0 = time.perf_counter()
     source, model = _load(args)
     save_quantized(model, source, args.out)

@@ -47,10 +47,7 @@ class Int4Blocks:
 
 class Int4LinearMethod(LinearMethod):
     def __init__(self, group_size: int = 64) -> None:
-        if group_size not in packing.INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group_size must be one of {packing.INT4_GROUP_SIZES}, "
-                             f"got {group_size!r}")
-        self.group_size = group_size
+        self.group_size = packing.check_int4_group_size(group_size)
 
     # ------------------------------------------------------------------ loading
     def create_weights(self, layer, dtype, device):
@@ -99,11 +96,19 @@ class Int4LinearMethod(LinearMethod):
 
     def _finalize(self, layer) -> None:
         layer.qweight = nn.Parameter(packing.pack_int4_kernel(layer._int4_codes), requires_grad=False)
-        # kernel wants [groups, N, 2]: (scale, zero) for group g of output row n
-        layer.scales_zeros = nn.Parameter(
-            torch.stack([layer._int4_scale.t(), layer._int4_zero.t()], dim=-1).contiguous(),
-            requires_grad=False)
+        # kernel wants [groups, Np, 2]: (scale, zero) for group g of output row n; the rows
+        # padded up to the kernel's multiple of 16 get scale 0, zero 0 (outputs sliced off)
+        pad = layer.qweight.shape[0] - layer.output_size
+        layer.scales_zeros = nn.Parameter(F.pad(
+            torch.stack([layer._int4_scale.t(), layer._int4_zero.t()], dim=-1),
+            (0, 0, 0, pad)).contiguous(), requires_grad=False)
         del layer._int4_codes, layer._int4_scale, layer._int4_zero
+        # batch-1 decode runs ~120 of these per token and each costs ~20 us at 1 thread; reading
+        # the parameters through nn.Module.__getattr__ and shape checks added ~7 us more
+        # (benchmarks/quant_kernels.py), so apply reads plain references to the same tensors
+        self._kernel_weights = (layer.qweight, layer.scales_zeros)
+        self._pad_in = layer.padded_input_size - layer.input_size
+        self._sliced_out = pad != 0
 
     def process_weights_after_loading(self, layer):
         if hasattr(layer, "_int4_codes"):
@@ -112,22 +117,29 @@ class Int4LinearMethod(LinearMethod):
 
     # ------------------------------------------------------------------ forward
     def apply(self, layer, x):
+        qweight, scales_zeros = self._kernel_weights
         x2d = x.reshape(-1, layer.input_size).to(torch.bfloat16)
-        if layer.padded_input_size != layer.input_size:
-            x2d = F.pad(x2d, (0, layer.padded_input_size - layer.input_size))
-        y = torch._weight_int4pack_mm_for_cpu(x2d, layer.qweight, self.group_size,
-                                              layer.scales_zeros).to(x.dtype)
+        if self._pad_in:
+            x2d = F.pad(x2d, (0, self._pad_in))
+        y = torch._weight_int4pack_mm_for_cpu(x2d, qweight, self.group_size, scales_zeros)
+        if self._sliced_out:
+            y = y[:, :layer.output_size]
+        y = y.to(x.dtype)
         if layer.has_bias:
             y += layer.bias
-        return y.view(*x.shape[:-1], layer.output_size)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)
 
     # ------------------------------------------------------------------ export
     def export_blocks(self, layer) -> Int4Blocks:
         """The layer's codes in portable form (for saving and for reference checks)."""
         codes = packing.unpack_int4_kernel(layer.qweight, layer.output_size, layer.padded_input_size)
-        sz = layer.scales_zeros
+        sz = layer.scales_zeros[:, :layer.output_size]
         return Int4Blocks(codes, sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous(),
                           layer.input_size)
+
+    def export_rows(self, layer) -> Int4Blocks:
+        """What a save writes (serialize.py): the portable blocks."""
+        return self.export_blocks(layer)
 
     def dequantize(self, layer) -> torch.Tensor:
         b = self.export_blocks(layer)
@@ -136,14 +148,11 @@ class Int4LinearMethod(LinearMethod):
 
 @register_quantization("int4")
 class Int4Config(QuantizationConfig):
-    """``group_size`` in 32/64/128; ``lm_head``: "int8" (default; an int4 head costs quality
-    for little speed) or "none" (keep it float)."""
+    """``group_size`` in 32/64/128; ``lm_head``: "int8" (default), "int4" (group 32: faster at
+    batch 1, a little perplexity) or "none" (keep it float)."""
 
     def __init__(self, group_size: int = 64, lm_head: str = "int8") -> None:
-        if group_size not in packing.INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group_size must be one of {packing.INT4_GROUP_SIZES}, "
-                             f"got {group_size!r}")
-        self.group_size = group_size
+        self.group_size = packing.check_int4_group_size(group_size)
         self.lm_head = lm_head
         lm_head_method(lm_head, "lm_head")   # validates the choice
 
@@ -151,6 +160,10 @@ class Int4Config(QuantizationConfig):
         if is_lm_head(prefix):
             return lm_head_method(self.lm_head, prefix)
         return Int4LinearMethod(self.group_size)
+
+    def get_experts_method(self, prefix: str):
+        from kvforge.quant.moe_experts import Int4ExpertsMethod
+        return Int4ExpertsMethod(self.group_size)
 
     def describe(self) -> dict:
         return {"group_size": self.group_size, "lm_head": self.lm_head}

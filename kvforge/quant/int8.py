@@ -71,19 +71,26 @@ class Int8LinearMethod(LinearMethod):
         return packing.dequantize_int8(layer.qweight, layer.scales)
 
 
-LM_HEAD_CHOICES = ("int8", "none")
+LM_HEAD_CHOICES = ("int8", "int4", "none")
+LM_HEAD_INT4_GROUP = 32     # the head feeds the logits directly: its finest group
 
 
 def lm_head_method(choice: str, prefix: str) -> LinearMethod | None:
-    """The LM head's method for weight-only configs: int8 per channel, or float (None)."""
+    """The LM head's method for weight-only configs: int8 per channel, int4 group 32, or float
+    (None). At batch 1 the int4 kernel reads the 49152 x 576 head of SmolLM2 ~3x faster than the
+    int8 one (benchmarks/quant_kernels.py), for a small perplexity cost (README table)."""
     if choice not in LM_HEAD_CHOICES:
         raise ValueError(f"lm_head must be one of {LM_HEAD_CHOICES}, got {choice!r}")
+    if choice == "int4":
+        from kvforge.quant.int4 import Int4LinearMethod     # int4 imports this module
+        return Int4LinearMethod(LM_HEAD_INT4_GROUP)
     return Int8LinearMethod() if choice == "int8" else None
 
 
 @register_quantization("int8")
 class Int8Config(QuantizationConfig):
-    """Every linear layer, the LM head included unless ``lm_head="none"``."""
+    """Every linear layer, the LM head included unless ``lm_head="none"``, and MoE experts
+    (per expert, per output channel; quant/moe_experts.py). MoE routers stay float."""
 
     def __init__(self, lm_head: str = "int8") -> None:
         lm_head_method(lm_head, "lm_head")
@@ -93,6 +100,10 @@ class Int8Config(QuantizationConfig):
         if is_lm_head(prefix):
             return lm_head_method(self.lm_head, prefix)
         return Int8LinearMethod()
+
+    def get_experts_method(self, prefix: str):
+        from kvforge.quant.moe_experts import Int8ExpertsMethod
+        return Int8ExpertsMethod()
 
     def describe(self) -> dict:
         return {"lm_head": self.lm_head}

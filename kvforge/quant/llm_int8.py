@@ -16,20 +16,43 @@ exact given the stored weight; its error is the weight rounding alone, never act
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from kvforge.layers.linear import UnquantizedLinearMethod
 from kvforge.quant.base import is_lm_head, QuantizationConfig, register_quantization
+from kvforge.quant.int8 import Int8Rows
 from kvforge.quant.w8a8_ops import (int8_matmul, quantize_per_token, quantize_weight_per_channel,
                                     take_float_weight)
 
 
 class LLMInt8LinearMethod(UnquantizedLinearMethod):
     """Loads like the float method, then quantizes it in
-    ``process_weights_after_loading`` to ``qweight_t`` [in, out] int8 + ``weight_scale`` [out]."""
+    ``process_weights_after_loading`` to ``qweight_t`` [in, out] int8 + ``weight_scale`` [out].
+    ``Int8Rows`` (a saved model's rows) are stored as they are."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
+
+    def load_weight(self, layer, kind, loaded, output_offset):
+        if kind != "weight" or not isinstance(loaded, Int8Rows):
+            if kind == "weight" and hasattr(layer, "qweight_t"):
+                raise ValueError("llm_int8 layer got a float weight after its saved int8 rows")
+            return super().load_weight(layer, kind, loaded, output_offset)
+        if loaded.shape[1] != layer.input_size:
+            raise ValueError(f"int8 rows of shape {tuple(loaded.shape)} do not fit a linear layer "
+                             f"with input_size {layer.input_size}")
+        if not hasattr(layer, "qweight_t"):
+            take_float_weight(layer)
+            n, k = layer.output_size, layer.input_size
+            layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8), requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.zeros(n), requires_grad=False)
+        rows = slice(output_offset, output_offset + loaded.shape[0])
+        layer.qweight_t[:, rows] = loaded.q.t()
+        layer.weight_scale[rows] = loaded.scale.float()
+
+    def export_rows(self, layer) -> Int8Rows:
+        return Int8Rows(layer.qweight_t.detach().t(), layer.weight_scale.detach())
 
     def process_weights_after_loading(self, layer):
         weight = take_float_weight(layer)
@@ -73,3 +96,6 @@ class LLMInt8Config(QuantizationConfig):
         if is_lm_head(prefix):
             return None
         return LLMInt8LinearMethod(self.threshold)
+
+    def describe(self) -> dict:
+        return {"threshold": self.threshold}

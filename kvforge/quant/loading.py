@@ -3,7 +3,8 @@
     EngineConfig.quantization ("none" | int8 | int4 | gguf | ...)  ─┐
     or a saved quantized directory (kvforge_quantization.json) ─────┴─► QuantizationConfig
     model = ModelClass(config)                 float layers (torch.empty: pages never touched)
-    apply_quantization(model, qc)              every Linear asks qc.get_linear_method(prefix)
+    apply_quantization(model, qc)              every Linear asks qc.get_linear_method(prefix),
+                                               every FusedMoE qc.get_experts_method(prefix)
     model.load_weights(weights)                shards quantize as they arrive
     qc.calibrate(model, batches)               only methods that need activation statistics
 
@@ -16,9 +17,11 @@ import logging
 import torch
 
 from kvforge.layers.linear import Linear, UnquantizedLinearMethod
+from kvforge.layers.moe import FusedMoE
 from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
-from kvforge.quant.base import QuantizationConfig, get_quantization_config
+from kvforge.quant.base import QuantizationConfig, get_quantization_config, is_moe_router
+from kvforge.quant.moe_experts import replace_experts_method
 from kvforge.quant.serialize import iter_saved_weights, read_saved_quantization
 
 logger = logging.getLogger(__name__)
@@ -26,10 +29,17 @@ logger = logging.getLogger(__name__)
 
 def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig) -> int:
     """Give every Linear of ``model`` the method ``quant_config`` picks for its name (None keeps
-    it float); must run before weights are loaded. Returns the number of layers swapped."""
+    it float; MoE routers always stay float) and every FusedMoE its experts' method; must run
+    before weights are loaded. Returns the number of layers swapped."""
     swapped = 0
     for prefix, layer in model.named_modules():
-        if not isinstance(layer, Linear):
+        if isinstance(layer, FusedMoE):
+            experts = quant_config.get_experts_method(prefix)
+            if experts is not None:
+                replace_experts_method(layer, experts)
+                swapped += 1
+            continue
+        if not isinstance(layer, Linear) or is_moe_router(prefix):
             continue
         method = quant_config.get_linear_method(prefix)
         if method is None:
@@ -78,7 +88,14 @@ def load_model(source: ModelSource, *, quantization: str = "none",
     n = apply_quantization(model, quant_config)
     logger.info("quantization %s: %d linear layers", quant_config.name, n)
     model.load_weights(iter_saved_weights(source.path) if saved else quant_config.iter_weights(source))
-    if quant_config.needs_calibration:
+    if quant_config.needs_calibration and saved:
+        # the saved rows carry the calibration; a layer missing from the file is an error,
+        # never a silent recalibration
+        pending = quant_config.pending_layers()
+        if pending:
+            raise ValueError(f"{source.path!r} has no saved {quant_config.name} rows for "
+                             f"{len(pending)} layers, e.g. {pending[0]!r}")
+    elif quant_config.needs_calibration:
         from kvforge.quant.calibration import calibration_token_batches
         quant_config.calibrate(model, calibration_token_batches(source.load_tokenizer().encode))
     return model

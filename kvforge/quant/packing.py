@@ -31,6 +31,13 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def check_int4_group_size(group_size: int) -> int:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    return group_size
+INT4_KERNEL_ROWS = 16
 SCALE_DTYPE = torch.bfloat16
 
 
@@ -54,13 +61,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- int4
-def quantize_int4_groupwise(w: torch.Tensor, group_size: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (codes [N, Kp] uint8 in 0..15, scale [N, Kp/G] bf16, zero same).
-
-    Asymmetric RTN per group: step s = (max - min) / 15, zero = min + 8 s (the kernel's code-8
-    convention). A group that is constant gets s = 0 and zero = its value (codes all 8).
-    """
+def int4_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [N, K] -> float32 view [N, Kp/G, G], K padded by repeating the last column."""
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     w = w.float()
@@ -68,15 +70,42 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int
     kp = padded_in_features(k, group_size)
     if kp != k:   # replicate the last column so padding never widens a group's range
         w = F.pad(w[None], (0, kp - k), mode="replicate")[0]
-    g = w.view(n, kp // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    return w.view(n, kp // group_size, group_size)
+
+
+def int4_group_range(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (min, max) of each group, [N, Kp/G] float32 (padding as in the quantizer)."""
+    g = int4_groups(w, group_size)
+    return g.amin(dim=-1), g.amax(dim=-1)
+
+
+def quantize_int4_groupwise(w: torch.Tensor, group_size: int,
+                            group_range: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (codes [N, Kp] uint8 in 0..15, scale [N, Kp/G] bf16, zero same).
+
+    Asymmetric RTN per group: step s = (max - min) / 15, zero = min + 8 s (the kernel's code-8
+    convention). A group that is constant gets s = 0 and zero = its value (codes all 8).
+    ``group_range`` = (lo, hi) [N, Kp/G] replaces each group's (min, max), e.g. a clipped range
+    (AWQ): weights outside it get the end codes 0 / 15.
+    """
+    g = int4_groups(w, group_size)
+    n, kp = g.shape[0], g.shape[1] * group_size
+    if group_range is None:
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    else:
+        lo, hi = group_range[0].float(), group_range[1].float()
+    if lo.shape != g.shape[:2] or hi.shape != g.shape[:2]:
+        raise ValueError(f"group_range of shape {tuple(lo.shape)}, {tuple(hi.shape)} does not "
+                         f"match the {tuple(g.shape[:2])} groups of the weight")
     scale = ((hi - lo) / 15.0).to(SCALE_DTYPE)
     s = scale.float()
     zero = torch.where(s > 0, lo + 8.0 * s, lo).to(SCALE_DTYPE)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.round((g - zero.float()[..., None]) / safe[..., None] + 8.0)
     codes = torch.where(s[..., None] > 0, codes, torch.full_like(codes, 8.0))
-    return codes.clamp_(0, 15).to(torch.uint8).view(n, kp), scale, zero
+    codes = codes.clamp_(0, 15).to(torch.uint8).reshape(n, kp)
+    return codes, scale.contiguous(), zero.contiguous()
 
 
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -102,9 +131,19 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
 
 
+def padded_out_features(out_features: int) -> int:
+    """Rows the CPU int4 kernel is given: it packs rows in blocks of 16 (N % 16 != 0 raises)."""
+    return -(-out_features // INT4_KERNEL_ROWS) * INT4_KERNEL_ROWS
+
+
 def pack_int4_kernel(codes: torch.Tensor) -> torch.Tensor:
-    """[N, Kp] codes -> the CPU kernel's packed layout."""
-    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    """[N, Kp] codes -> the CPU kernel's packed layout [Np, Kp / 2], N padded to a multiple of 16
+    with rows of code 8 (their outputs are sliced off: see ``padded_out_features``)."""
+    n = codes.shape[0]
+    codes = codes.to(torch.int32)
+    if padded_out_features(n) != n:
+        codes = F.pad(codes, (0, 0, 0, padded_out_features(n) - n), value=8)
+    return torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
 @lru_cache(maxsize=16)
@@ -123,6 +162,7 @@ def _kernel_slot_sources(n: int, k: int) -> torch.Tensor:
 
 def unpack_int4_kernel(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Kernel layout -> [N, K] uint8 codes (used when saving; never on the forward path)."""
-    codes = torch.empty(n * k, dtype=torch.uint8)
-    codes[_kernel_slot_sources(n, k)] = unpack_int4(packed).reshape(-1)
-    return codes.view(n, k)
+    rows = packed.shape[0]                      # N padded to the kernel's multiple of 16
+    codes = torch.empty(rows * k, dtype=torch.uint8)
+    codes[_kernel_slot_sources(rows, k)] = unpack_int4(packed).reshape(-1)
+    return codes.view(rows, k)[:n]

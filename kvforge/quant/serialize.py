@@ -7,12 +7,20 @@ A saved model is a Hugging Face-style directory, so ``load_model_source(dir)`` o
     model.safetensors             HF parameter names; a quantized projection stores its codes:
         <name>.qcodes  [n, Kp/2] uint8  INT4 codes, nibble-packed (packing.pack_int4)
         <name>.scales / <name>.zeros   [n, Kp/G] bf16
-        <name>.qweight [n, K] int8 + <name>.scales [n] bf16     INT8 rows
+        <name>.qweight [n, K] int8 + <name>.scales [n] bf16 (int8) / fp32 (W8A8)   INT8 rows
+        <name>.input_scales [K]        calibrated methods (awq, smoothquant): the layer computes
+                                       (x / s) Q(W s)^T; the rows above hold Q(W s)
         <name>.weight / <name>.bias    float tensors (norms, embeddings, float layers, biases)
     kvforge_quantization.json     {"format": ..., "method": "int4", "args": {"group_size": 64, ...}}
 
-Fused layers (qkv_proj, gate_up_proj) are split back into their HF shards by rows, so a reload
-goes through the model's ordinary loader. The portable INT4 form does not depend on the kernel's
+Every method whose layers can be saved has ``export_rows(layer)`` (Int4Blocks / Int8Rows, or
+``InputScaledRows`` for calibrated ones) and takes the same objects back in ``load_weight``,
+so a reload installs the saved codes and scales as they are: no requantization, no
+calibration (AWQ's scale and clip search, SmoothQuant's statistics).
+
+Fused layers (qkv_proj, gate_up_proj) are split back into their HF shards by rows, and MoE
+experts into per-expert ``<experts>.<e>.{gate,up,down}_proj`` shards, so a reload goes through
+the model's ordinary loader. The portable INT4 form does not depend on the kernel's
 private packing, so a file stays readable if PyTorch changes that layout.
 """
 from __future__ import annotations
@@ -25,10 +33,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvforge.attention.mla import MLAUpProjection
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
+from kvforge.layers.moe import EXPERT_SHARDS, FusedMoE, UnquantizedExpertsMethod
 from kvforge.quant import packing
-from kvforge.quant.int4 import Int4Blocks, Int4LinearMethod
-from kvforge.quant.int8 import Int8LinearMethod, Int8Rows
+from kvforge.quant.calibration import (CalibratedLinearMethod, CalibratedQuantConfig,
+                                       InputScaledRows)
+from kvforge.quant.int4 import Int4Blocks
+from kvforge.quant.int8 import Int8Rows
 
 QUANT_FILE = "kvforge_quantization.json"
 FORMAT = "kvforge-weight-only-v1"
@@ -63,38 +75,90 @@ def _shard_names(prefix: str, layer: Linear) -> list[tuple[str, slice]]:
     return out
 
 
-def quantized_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def export_layer(prefix: str, layer: Linear):
+    """A layer's saved form: None (float), Int4Blocks, Int8Rows or InputScaledRows."""
+    method = layer.method
+    if type(method) is UnquantizedLinearMethod:
+        return None
+    if isinstance(method, CalibratedLinearMethod):
+        if not method.quantized:
+            raise ValueError(f"layer {prefix!r} is not calibrated yet; nothing to save")
+        return InputScaledRows(method.export_rows(layer), method.scales)
+    if not hasattr(method, "export_rows"):
+        raise ValueError(f"saving layers quantized with {type(method).__name__} is not "
+                         f"supported (layer {prefix!r})")
+    return method.export_rows(layer)
+
+
+def _rows_tensors(name: str, saved, rows: slice) -> dict[str, torch.Tensor]:
+    if isinstance(saved, InputScaledRows):      # one input: every shard carries the same s
+        return {**_rows_tensors(name, saved.rows, rows), f"{name}.input_scales": saved.input_scale}
+    if isinstance(saved, Int4Blocks):
+        return {f"{name}.qcodes": packing.pack_int4(saved.codes[rows]),
+                f"{name}.scales": saved.scale[rows], f"{name}.zeros": saved.zero[rows]}
+    if isinstance(saved, Int8Rows):
+        return {f"{name}.qweight": saved.q[rows], f"{name}.scales": saved.scale[rows]}
+    raise ValueError(f"cannot save {type(saved).__name__} for {name!r}")
+
+
+def _int4_blocks(saved) -> Int4Blocks | None:
+    saved = saved.rows if isinstance(saved, InputScaledRows) else saved
+    return saved if isinstance(saved, Int4Blocks) else None
+
+
+def quantized_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """(tensors by saved name, logical input size of every INT4 shard: codes are padded)."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     state: dict[str, torch.Tensor] = {}
+    int4_in_features: dict[str, int] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, Linear):
             if prefix == "lm_head" and tied:
                 continue   # rebuilt from the embedding on load, exactly as the first time
-            method = module.method
-            if isinstance(method, Int4LinearMethod):
-                blocks = method.export_blocks(module)
-            elif isinstance(method, Int8LinearMethod):
-                rows = method.export_rows(module)
-            elif type(method) is not UnquantizedLinearMethod:
-                raise ValueError(f"saving layers quantized with {type(method).__name__} is not "
-                                 f"supported (layer {prefix!r})")
+            saved = export_layer(prefix, module)
             for name, r in _shard_names(prefix, module):
-                if isinstance(method, Int4LinearMethod):
-                    state[f"{name}.qcodes"] = packing.pack_int4(blocks.codes[r])
-                    state[f"{name}.scales"] = blocks.scale[r]
-                    state[f"{name}.zeros"] = blocks.zero[r]
-                elif isinstance(method, Int8LinearMethod):
-                    state[f"{name}.qweight"] = rows.q[r]
-                    state[f"{name}.scales"] = rows.scale[r]
-                else:
+                if saved is None:
                     state[f"{name}.weight"] = module.weight[r]
+                else:
+                    state.update(_rows_tensors(name, saved, r))
+                    if _int4_blocks(saved) is not None:
+                        int4_in_features[name] = module.input_size
                 if module.has_bias:
                     state[f"{name}.bias"] = module.bias[r]
+        elif isinstance(module, FusedMoE):
+            state.update(_experts_tensors(prefix, module, int4_in_features))
+        elif isinstance(module, MLAUpProjection):    # back to HF's kv_b_proj [H * (P + V), L]
+            state[f"{prefix}.weight"] = torch.cat([module.w_uk, module.w_uv], dim=1).reshape(
+                -1, module.kv_lora_rank)
         else:
             for p_name, p in module._parameters.items():
                 if p is not None:
                     state[f"{prefix}.{p_name}"] = p
-    return {k: v.detach().contiguous().clone() for k, v in state.items()}
+    return {k: v.detach().contiguous().clone() for k, v in state.items()}, int4_in_features
+
+
+def _experts_tensors(prefix: str, moe: FusedMoE, int4_in_features: dict[str, int]
+                     ) -> dict[str, torch.Tensor]:
+    """A FusedMoE as HF per-expert shards ``<prefix>.<e>.{gate,up,down}_proj``, the names every
+    MoE family's loader routes to ``load_expert_weight`` (stacked float or quantized rows)."""
+    export = getattr(moe.method, "export_expert", None)
+    if export is None and type(moe.method) is not UnquantizedExpertsMethod:
+        raise ValueError(f"saving experts stored by {type(moe.method).__name__} is not supported "
+                         f"(layer {prefix!r})")
+    i, out = moe.intermediate_size, {}
+    for e in range(moe.num_experts):
+        for shard in EXPERT_SHARDS:
+            name = f"{prefix}.{e}.{shard}_proj"
+            if export is None:
+                rows = moe.w2[e] if shard == "down" else moe.w13[e, :i] if shard == "gate" \
+                    else moe.w13[e, i:]
+                out[f"{name}.weight"] = rows
+                continue
+            saved = export(moe, e, shard)
+            out.update(_rows_tensors(name, saved, slice(None)))
+            if isinstance(saved, Int4Blocks):
+                int4_in_features[name] = saved.in_features
+    return out
 
 
 def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
@@ -103,12 +167,11 @@ def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
     qc = getattr(model, "quant_config", None)
     if qc is None:
         raise ValueError("the model is not quantized; load it with a quantization first")
-    state = quantized_state_dict(model)
+    pending = qc.pending_layers() if isinstance(qc, CalibratedQuantConfig) else []
+    if pending:
+        raise ValueError(f"{qc.name} layers were never calibrated, e.g. {pending[0]!r}")
     # INT4 codes are padded to whole groups; the logical input sizes travel in the metadata
-    in_features = {p: m.input_size for p, m in model.named_modules()
-                   if isinstance(m, Linear) and isinstance(m.method, Int4LinearMethod)}
-    in_features = {name: in_features[p] for p, m in model.named_modules() if p in in_features
-                   for name, _ in _shard_names(p, m)}
+    state, in_features = quantized_state_dict(model)
     os.makedirs(out_dir, exist_ok=True)
     if source.format == "gguf":
         reader = source._reader or gguf_loader.open_gguf(source.path)
@@ -126,19 +189,25 @@ def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
 
 
 def iter_saved_weights(path: str) -> Iterator[tuple[str, object]]:
-    """(HF name, float tensor | Int4Blocks | Int8Rows) from a saved quantized directory."""
+    """(HF name, float tensor | Int4Blocks | Int8Rows | InputScaledRows) from a saved
+    quantized directory."""
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt", device="cpu") as f:
         in_features = json.loads((f.metadata() or {}).get("int4_in_features", "{}"))
-        for key in sorted(f.keys()):
+        keys = set(f.keys())
+        for key in sorted(keys):
             stem, _, suffix = key.rpartition(".")
             if suffix == "qcodes":
                 codes = packing.unpack_int4(f.get_tensor(key))
                 scale, zero = f.get_tensor(f"{stem}.scales"), f.get_tensor(f"{stem}.zeros")
-                yield f"{stem}.weight", Int4Blocks(codes, scale, zero, in_features[stem])
+                rows = Int4Blocks(codes, scale, zero, in_features[stem])
             elif suffix == "qweight":
-                yield f"{stem}.weight", Int8Rows(f.get_tensor(key), f.get_tensor(f"{stem}.scales"))
-            elif suffix in ("scales", "zeros"):
+                rows = Int8Rows(f.get_tensor(key), f.get_tensor(f"{stem}.scales"))
+            elif suffix in ("scales", "zeros", "input_scales"):
                 continue   # read with their codes
             else:
                 yield key, f.get_tensor(key)
+                continue
+            if f"{stem}.input_scales" in keys:
+                rows = InputScaledRows(rows, f.get_tensor(f"{stem}.input_scales"))
+            yield f"{stem}.weight", rows
 

@@ -23,8 +23,9 @@ from torch import nn
 
 from kvforge.quant.base import is_lm_head, register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
+from kvforge.quant.int8 import Int8Rows
 from kvforge.quant.w8a8_ops import (float_weight, int8_matmul, quantize_per_token,
-                                    quantize_weight_per_channel, take_float_weight)
+                                    quantize_weight_per_channel)
 
 
 def smoothing_scales(act_abs_max: torch.Tensor, weight_abs_max: torch.Tensor,
@@ -37,16 +38,34 @@ def smoothing_scales(act_abs_max: torch.Tensor, weight_abs_max: torch.Tensor,
 
 
 class SmoothQuantLinearMethod(CalibratedLinearMethod):
-    def compute_scales(self, layer):
-        weight_abs_max = float_weight(layer).abs().amax(dim=0)      # W [out, in] -> [in]
-        return smoothing_scales(self.abs_max, weight_abs_max, self.config.alpha)
+    """Storage: ``qweight_t`` [in, out] int8 and ``weight_scale`` [out] fp32 (W * s per output
+    channel, w8a8_ops' layout) and ``smooth_inv_scale`` [in] = 1 / s."""
 
-    def quantize(self, layer, scales):
-        smoothed = take_float_weight(layer).float() * scales[None, :]  # W * s, [out, in]
-        qweight_t, w_scale = quantize_weight_per_channel(smoothed)
-        layer.qweight_t = nn.Parameter(qweight_t, requires_grad=False)
-        layer.weight_scale = nn.Parameter(w_scale, requires_grad=False)
+    def compute_state(self, layer):
+        weight_abs_max = float_weight(layer).abs().amax(dim=0)      # W [out, in] -> [in]
+        return {"scales": smoothing_scales(self.abs_max, weight_abs_max, self.config.alpha)}
+
+    def quantized_rows(self, weight, state):
+        qweight_t, w_scale = quantize_weight_per_channel(weight.float() * state["scales"][None, :])
+        return Int8Rows(qweight_t.t(), w_scale)
+
+    def install(self, layer, scales, dtype):
+        n, k = layer.output_size, layer.input_size
+        layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.zeros(n), requires_grad=False)
         layer.smooth_inv_scale = nn.Parameter(1.0 / scales, requires_grad=False)
+
+    def load_rows(self, layer, rows, output_offset):
+        if not isinstance(rows, Int8Rows) or rows.shape[1] != layer.input_size:
+            raise ValueError(f"smoothquant layer {self.prefix!r} takes int8 rows with "
+                             f"{layer.input_size} columns, got {type(rows).__name__} "
+                             f"{tuple(rows.shape)}")
+        r = slice(output_offset, output_offset + rows.shape[0])
+        layer.qweight_t[:, r] = rows.q.t()
+        layer.weight_scale[r] = rows.scale.float()
+
+    def export_rows(self, layer):
+        return Int8Rows(layer.qweight_t.detach().t(), layer.weight_scale.detach())
 
     def apply_quantized(self, layer, x):
         x2d = x.reshape(-1, layer.input_size).float() * layer.smooth_inv_scale
@@ -72,3 +91,6 @@ class SmoothQuantConfig(CalibratedQuantConfig):
         if is_lm_head(prefix):
             return None
         return self.register_method(SmoothQuantLinearMethod(self, prefix))
+
+    def describe(self) -> dict:
+        return {"alpha": self.alpha}

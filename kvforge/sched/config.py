@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvforge.sched.mlfq import MLFQConfig
 
 
 @dataclass(slots=True)
@@ -16,6 +20,7 @@ class SchedulerConfig:
     - ``max_model_len``: most tokens (prompt + output) one request may hold.
     - ``policy``: waiting-queue policy name (see ``kvforge.sched.queues``).
     - ``block_size``: tokens per KV block; must match the KVCacheManager's.
+    - ``mlfq``: the ``MLFQConfig`` of policy ``mlfq`` (None = its defaults; see sched/mlfq.py).
     """
 
     max_num_batched_tokens: int = 2048
@@ -24,6 +29,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     block_size: int = 16
+    mlfq: MLFQConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
@@ -34,6 +40,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in one step")
+        from kvforge.sched.mlfq import MLFQConfig
+        if self.mlfq is not None and not isinstance(self.mlfq, MLFQConfig):
+            raise ValueError(f"mlfq must be an MLFQConfig, got {self.mlfq!r}")
         from kvforge.sched.queues import available_policies
         if self.policy not in available_policies():
             raise ValueError(f"unknown scheduling policy {self.policy!r}; "

@@ -1,26 +1,35 @@
 """Skip-join multi-level feedback queue (FastServe, Wu et al.): short jobs first, preemptively.
 
-K levels with growing quanta, measured in tokens of work (prefill chunk tokens + decode tokens
-the scheduler gave the request, recompute after a preemption included):
+K levels with growing quanta, measured in tokens of work: each step a request is scheduled it
+is charged 1 for the token whose logits it samples (its decode, or the last prompt token) plus
+``prefill_weight`` for every other token the step computes for it (prefill chunks, recompute
+after a preemption, speculative verification rows):
 
     level:     0          1           2            3 (last)
-    quantum:   64         256         1024         unbounded        (base 64, growth 4)
+    quantum:   64         256         1024         unbounded        (defaults: quanta 64,256,1024)
+
+``prefill_weight`` (default 1.0: a prompt token costs as much as a decode step) is the cost of
+one prefill token relative to one decode step; FastServe measures service in time, and a
+batched prompt token costs far less than a decode iteration (about 0.1 on a 2-core CPU,
+~0.01 on a GPU), so with 1.0 long prompts sink further than their cost warrants.
 
 - Skip-join: a new request joins the first level whose quantum exceeds its estimated
-  first-token work = prompt tokens the prefix cache does not already hold. A 600-token prompt
-  joins level 2 directly instead of being demoted through levels 0 and 1 on the way.
+  first-token work = ``prefill_weight`` x the prompt tokens the prefix cache does not already
+  hold. A 600-token prompt (weight 1) joins level 2 directly instead of being demoted through
+  levels 0 and 1 on the way.
 - Demotion: once the work charged at its level reaches that level's quantum, it moves one level
   down (the charge starts over).
 - Order: lower level first; within a level lower ``Request.priority`` value first, then
   arrival into the level (a preempted request goes back to the front of its level).
 - Preemption for waiting work (``requests_to_yield``): when every sequence slot is taken and a
   waiting request is on a strictly higher level than a running one, the lowest running request
-  yields its slot (recompute preemption; with the prefix cache on it re-matches its own computed
-  blocks, so little is recomputed).
+  yields its slot (preempted per ``--preemption-mode``: recompute re-matches its own computed
+  blocks in the prefix cache, so little is recomputed; swap keeps its KV in a slower tier).
 - Starvation bound: a waiting request that has not been scheduled for ``starvation_steps``
   engine steps is promoted to level 0 with a fresh quantum.
-- KV exhaustion victim (``select_preemption_victim``): the running request with the lowest
-  rank (highest level, then largest priority value, then latest in the running list).
+- Victims, for a waiting request's slot and for KV exhaustion (``select_preemption_victim``):
+  the running request with the lowest rank (highest level, then largest priority value, then
+  latest into its level).
 
 Only sequence slots (``max_num_seqs``) trigger ``requests_to_yield``; the token budget and KV
 blocks are shared as in FCFS (running requests are ordered by rank, so higher levels take the
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -39,31 +49,85 @@ from kvforge.sched.queues import RequestQueue, register_queue_policy
 
 @dataclass(slots=True)
 class MLFQConfig:
-    """``num_levels`` queues; level i (but the last) has quantum ``base_quantum *
-    quantum_growth**i`` tokens of work; the last level's quantum is unbounded.
-    ``starvation_steps``: engine steps a waiting request may go unscheduled before promotion."""
+    """The skip-join MLFQ's parameters (engine options ``mlfq_*``, CLI ``--mlfq-*``).
+
+    - ``quanta``: the bounded levels' quanta in tokens of work, strictly increasing; one more,
+      unbounded, level follows. None = ``base_quantum * quantum_growth**i`` for the first
+      ``num_levels - 1`` levels (defaults: 64, 256, 1024 + unbounded). When given it sets
+      ``num_levels`` and ``base_quantum``.
+    - ``starvation_steps`` (256): engine steps a waiting request may go unscheduled before it
+      is promoted to level 0 with a fresh quantum.
+    - ``prefill_weight`` (1.0, in (0, 1]): work of one prefill token relative to one decode.
+    """
 
     num_levels: int = 4
     base_quantum: int = 64
     quantum_growth: int = 4
     starvation_steps: int = 256
+    prefill_weight: float = 1.0
+    quanta: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_levels", "base_quantum", "starvation_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.quantum_growth, int) or self.quantum_growth < 2:
-            raise ValueError(f"quantum_growth must be an integer >= 2, got {self.quantum_growth!r}")
+        if self.quanta is None:
+            for name in ("num_levels", "base_quantum"):
+                _check_positive_int(name, getattr(self, name))
+            if (not isinstance(self.quantum_growth, int) or isinstance(self.quantum_growth, bool)
+                    or self.quantum_growth < 2):
+                raise ValueError(f"quantum_growth must be an integer >= 2, got "
+                                 f"{self.quantum_growth!r}")
+            self.quanta = tuple(self.base_quantum * self.quantum_growth ** i
+                                for i in range(self.num_levels - 1))
+        else:
+            quanta = tuple(self.quanta) if isinstance(self.quanta, (list, tuple)) else None
+            if (not quanta or any(not isinstance(q, int) or isinstance(q, bool) or q < 1
+                                  for q in quanta)
+                    or any(a >= b for a, b in zip(quanta, quanta[1:]))):
+                raise ValueError(f"mlfq quanta must be strictly increasing positive integers, "
+                                 f"got {self.quanta!r}")
+            self.quanta = quanta
+            self.num_levels = len(quanta) + 1
+            self.base_quantum = quanta[0]
+        _check_positive_int("starvation_steps", self.starvation_steps)
+        w = self.prefill_weight
+        if (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+                or not 0 < w <= 1):
+            raise ValueError(f"prefill_weight must be a number in (0, 1], got {w!r}")
 
     def quantum(self, level: int) -> float:
-        if level >= self.num_levels - 1:
+        if level >= len(self.quanta):
             return float("inf")
-        return self.base_quantum * self.quantum_growth ** level
+        return self.quanta[level]
 
-    def join_level(self, work: int) -> int:
+    def join_level(self, work: float) -> int:
         """First level whose quantum exceeds ``work`` tokens."""
         return next(lv for lv in range(self.num_levels) if self.quantum(lv) > work)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def mlfq_config_from_options(quanta: str | Sequence[int] | None, starvation_steps: int,
+                             prefill_weight: float) -> MLFQConfig:
+    """MLFQConfig from the engine options; ``quanta`` may be the CLI's "64,256,1024". Errors
+    name the option and the value as given."""
+    parsed = quanta
+    if isinstance(quanta, str):
+        try:
+            parsed = tuple(int(q) for q in quanta.split(","))
+        except ValueError:
+            parsed = quanta               # rejected below as it is
+    elif isinstance(quanta, (list, tuple)):
+        parsed = tuple(quanta)
+    if quanta is not None:
+        try:
+            MLFQConfig(quanta=parsed)
+        except ValueError:
+            raise ValueError(f"mlfq_quanta must be strictly increasing positive integers like "
+                             f"'64,256,1024', got {quanta!r}") from None
+    return MLFQConfig(quanta=parsed, starvation_steps=starvation_steps,
+                      prefill_weight=prefill_weight)
 
 
 @dataclass(slots=True)
@@ -72,7 +136,7 @@ class _Rank:
 
     level: int
     order: int           # position within the level: smaller goes first
-    work_in_level: int = 0
+    work_in_level: float = 0.0
     steps_waited: int = 0
 
 
@@ -104,17 +168,18 @@ class MLFQRequestQueue(RequestQueue):
             # n > 1 siblings are forked straight into the running list: they inherit the
             # parent's level; anything else unseen joins by its remaining work
             parent = self._ranks.get(request.parent_id) if request.parent_id else None
-            level = parent.level if parent else self.config.join_level(request.num_remaining_tokens)
+            weighted = request.num_remaining_tokens * self.config.prefill_weight
+            level = parent.level if parent else self.config.join_level(weighted)
             rank = self._ranks[request.request_id] = _Rank(level, next(self._counter))
         return rank
 
     def level_of(self, request: Request) -> int:
         return self._rank(request).level
 
-    def estimated_work(self, request: Request) -> int:
-        """First-token work: prompt tokens not already in the prefix cache."""
+    def estimated_work(self, request: Request) -> float:
+        """First-token work: prompt tokens not already in the prefix cache, weighted."""
         cached = self._match_length(request) if self._match_length else 0
-        return max(1, request.num_tokens - cached)
+        return max(1, request.num_tokens - cached) * self.config.prefill_weight
 
     # ---- queue contract ------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -167,14 +232,14 @@ class MLFQRequestQueue(RequestQueue):
     def select_preemption_victim(self, running: Sequence[Request]) -> Request:
         if not running:
             raise ValueError("no running request to preempt")
-        index = max(range(len(running)), key=lambda i: (self._key(running[i])[:2], i))
+        index = max(range(len(running)), key=lambda i: (self._key(running[i]), i))
         return running[index]
 
     def requests_to_yield(self, running: Sequence[Request], free_seq_slots: int) -> list[Request]:
         """Running requests to preempt so that waiting requests on strictly higher levels get
         their sequence slots. Pairs the best waiting with the worst running, in turn."""
         victims: list[Request] = []
-        candidates = sorted(running, key=lambda r: self._key(r)[:2], reverse=True)
+        candidates = sorted(running, key=self._key, reverse=True)     # lowest rank first
         for waiting in self._waiting:
             if free_seq_slots > 0:
                 free_seq_slots -= 1 + len(waiting.pending_forks)
@@ -188,12 +253,19 @@ class MLFQRequestQueue(RequestQueue):
                           scheduled: Mapping[str, Request]) -> None:
         """Charge this step's work (demoting at the quantum) and age the waiting requests
         (promoting at the starvation bound)."""
+        w = self.config.prefill_weight
         for request_id, num_tokens in num_scheduled_tokens.items():
-            rank = self._rank(scheduled[request_id])
-            rank.work_in_level += num_tokens
+            request = scheduled[request_id]
+            rank = self._rank(request)
+            # the token whose logits are sampled costs a decode step; the rest are prefill-like
+            # (prompt chunks, recompute, speculative rows), batched at prefill_weight each
+            samples = (request.num_computed_tokens + num_tokens - len(request.spec_token_ids)
+                       == request.num_tokens)
+            rank.work_in_level += samples + w * (num_tokens - samples)
             if rank.work_in_level >= self.config.quantum(rank.level):
                 rank.level += 1
                 rank.work_in_level = 0
+                rank.order = next(self._counter)          # the back of its new level
                 self.num_demotions += 1
         promoted = False
         for request in self._waiting:

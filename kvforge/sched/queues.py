@@ -24,10 +24,11 @@ def available_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
-def create_request_queue(policy: str) -> "RequestQueue":
+def create_request_queue(policy: str, **options) -> "RequestQueue":
+    """``options`` go to the policy's constructor (mlfq: ``config=MLFQConfig(...)``)."""
     if policy not in _POLICIES:
         raise ValueError(f"unknown scheduling policy {policy!r}; known: {available_policies()}")
-    return _POLICIES[policy]()
+    return _POLICIES[policy](**options)
 
 
 class RequestQueue(ABC):

@@ -18,6 +18,7 @@ sampled ids, then ``finish_request()`` for requests its stop checks end.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -84,7 +85,10 @@ class Scheduler:
                              f"KVCacheManager.block_size {kv_manager.block_size}")
         self.config = config
         self.kv_manager = kv_manager
-        self.waiting = create_request_queue(config.policy)
+        # policy options: only mlfq takes any (its levels, quanta, starvation bound)
+        self.waiting = create_request_queue(
+            config.policy, **({"config": config.mlfq} if config.policy == "mlfq" and config.mlfq
+                              else {}))
         self.waiting.bind_prefix_matcher(kv_manager.prefix_match_length)
         self.running: list[Request] = []
         # every unfinished request, including n > 1 siblings not yet forked
@@ -111,8 +115,9 @@ class Scheduler:
     @property
     def max_tokens_in_cache(self) -> int:
         """Longest sequence the KV cache can hold. A request must stop growing by then (the
-        engine's length check), else once alone it can never be scheduled again."""
-        return self.kv_manager.num_blocks * self.config.block_size
+        engine's length check), else once alone it can never be scheduled again. Unbounded
+        when an attention window keeps a request's blocks under the pool (KVCacheManager)."""
+        return self.kv_manager.max_tokens_per_request(self.config.enable_chunked_prefill)
 
     def _num_seq_slots_used(self) -> int:
         # running requests plus the siblings they will fork: reserved at admission so that a
@@ -132,7 +137,7 @@ class Scheduler:
             raise ValueError(f"duplicate ids among {request.request_id!r} and its forks")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if cdiv(request.num_tokens, self.config.block_size) > self.kv_manager.num_blocks:
+        if request.num_tokens > self.max_tokens_in_cache:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
                              f"more than the KV cache holds ({self.max_tokens_in_cache})")
         if request.num_tokens > self.config.max_model_len:
@@ -169,10 +174,11 @@ class Scheduler:
             parent.pending_forks[:] = [c for c in parent.pending_forks if c is not request]
         else:
             self.waiting.remove(request)
+        if self.swapper is not None:
+            # KV swapped out while it waited: its copies finish before any block is freed
+            self.swapper.discard(request)
         self.kv_manager.free(request_id)
         self.waiting.forget(request)                      # policy state (mlfq ranks)
-        if self.swapper is not None:
-            self.swapper.discard(request)                 # KV swapped out while it waited
         request.status = status
         request.finished_time = time.monotonic()
         for child in list(request.pending_forks):
@@ -183,6 +189,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.swapper is not None:
+            self.swapper.reap()                               # finished swap-outs free blocks
         plan = _StepPlan(tokens_left=self.config.max_num_batched_tokens)
         num_yielded = self._yield_to_waiting(plan)            # preemptive policies (mlfq)
         self._schedule_running(plan)
@@ -192,6 +200,9 @@ class Scheduler:
         self.waiting.on_step_scheduled(plan.num_scheduled_tokens, plan.requests)  # quanta
         if not plan.requests and not self.running and self.waiting:
             self._raise_if_never_fits(self.waiting.peek())
+        if self.swapper is not None:      # proactive swap-in, overlapping this step's forward
+            self.swapper.prefetch(list(itertools.islice(self.waiting, self.config.max_num_seqs)),
+                                  self.running)
         return plan.to_output(self.kv_manager)
 
     def _yield_to_waiting(self, plan: _StepPlan) -> int:
@@ -215,7 +226,8 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, tokens_left: int) -> int:
         remaining = request.num_remaining_tokens
         if self.config.enable_chunked_prefill:
-            return max(0, min(remaining, tokens_left))
+            # an attention window caps chunks so that a request alone always fits the pool
+            return max(0, min(remaining, tokens_left, self.kv_manager.max_chunk_tokens))
         return remaining if 0 < remaining <= tokens_left else 0
 
     @staticmethod
@@ -253,6 +265,8 @@ class Scheduler:
                 num_tokens -= len(request.spec_token_ids)
                 request.spec_token_ids = []
                 continue
+            if self.swapper is not None and self.swapper.make_room():
+                continue                         # in-flight swap copies held the blocks
             victim = self.waiting.select_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
@@ -293,6 +307,8 @@ class Scheduler:
                          if num_tokens > 0 else None)
             if slots is None:
                 request.num_computed_tokens = 0
+                if self.swapper is not None and self.swapper.make_room(keep=request):
+                    continue                     # in-flight swap copies held the blocks
                 break
             self.waiting.pop()
             self.running.append(request)
@@ -405,7 +421,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """KV accounting plus: each unfinished request is in exactly one place, running ones
         hold blocks, waiting and pending ones hold none, no block table is orphaned."""
-        self.kv_manager.check_integrity()
+        # blocks an outgoing swap copy still reads are referenced by the swapper
+        self.kv_manager.check_integrity(self.swapper.held_block_refs() if self.swapper else None)
+        prefetched = self.swapper.prefetched_ids() if self.swapper is not None else set()
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         pending_ids = list(self._pending_fork_parent)
@@ -421,10 +439,13 @@ class Scheduler:
             num_blocks = len(self.kv_manager.get_block_ids(request.request_id))
             assert num_blocks >= cdiv(request.num_computed_tokens, self.config.block_size), (
                 f"{request!r} has computed KV beyond its {num_blocks} blocks")
+            self.kv_manager.check_window(request.request_id, request.num_computed_tokens)
         for request in self.waiting:
             assert self.requests[request.request_id] is request
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request!r}"
-            assert not self.kv_manager.has_blocks(request.request_id), f"waiting {request!r} holds blocks"
+            assert (request.request_id in prefetched
+                    or not self.kv_manager.has_blocks(request.request_id)), (
+                f"waiting {request!r} holds blocks")
             assert request.num_computed_tokens == 0, f"waiting {request!r} kept computed tokens"
         for child_id, parent in self._pending_fork_parent.items():
             child = self.requests[child_id]
@@ -434,6 +455,6 @@ class Scheduler:
             assert not self.kv_manager.has_blocks(child_id), f"pending fork {child!r} holds blocks"
         if self.swapper is not None:
             self.swapper.check_integrity(set(waiting_ids))
-        orphans = set(self.kv_manager.request_ids()) - set(running_ids)
+        orphans = set(self.kv_manager.request_ids()) - set(running_ids) - prefetched
         assert not orphans, f"block tables of non-running requests: {sorted(orphans)}"
         assert self._num_seq_slots_used() <= self.config.max_num_seqs, "max_num_seqs exceeded"

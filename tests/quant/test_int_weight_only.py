@@ -61,6 +61,19 @@ def test_int4_linear_matches_dequantized_reference(group, k):
     assert torch.equal(method.export_blocks(layer).codes, codes)   # kernel layout invertible
 
 
+@pytest.mark.parametrize("n", [40, 8])
+def test_int4_linear_with_rows_not_a_multiple_of_16(n):
+    """The CPU kernel packs 16 rows at a time: padded rows must never reach the output."""
+    w, bias = random_weight(n, 96), torch.randn(n) * 0.1
+    layer = make_linear(w, Int4LinearMethod(32), bias)
+    x = torch.randn(3, 96)
+    y = layer(x)
+    assert y.shape == (3, n)
+    assert rel_err(y, _reference(x, layer.method.dequantize(layer), bias)) < 1e-2
+    assert torch.equal(layer.method.export_blocks(layer).codes,
+                       packing.quantize_int4_groupwise(w, 32)[0])
+
+
 def test_int4_merged_shards_equal_whole_matrix():
     """Quantizing q|k|v shard by shard gives the codes of quantizing the fused matrix."""
     ws = [random_weight(64, 128, seed=s) for s in (1, 2, 3)]
@@ -103,3 +116,14 @@ def test_bad_group_size_and_lm_head_choice_raise():
         Int4Config(group_size=48)
     with pytest.raises(ValueError, match="lm_head"):
         Int4Config(lm_head="int2")
+
+
+def test_int4_lm_head_choice_uses_group_32_and_matches_reference():
+    head = Int4Config(group_size=128, lm_head="int4").get_linear_method("lm_head")
+    assert isinstance(head, Int4LinearMethod) and head.group_size == 32
+    assert isinstance(Int4Config(lm_head="int8").get_linear_method("lm_head"), Int8LinearMethod)
+    assert Int4Config(lm_head="none").get_linear_method("lm_head") is None
+    w = random_weight(4096, 64)
+    layer = make_linear(w, head)
+    x = torch.randn(2, 64)
+    assert rel_err(layer(x), _reference(x, head.dequantize(layer))) < 1e-2

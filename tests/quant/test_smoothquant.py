@@ -34,7 +34,7 @@ def test_matches_dequantize_then_matmul_reference():
     w, b = random_weight(48, 96), torch.randn(48)
     x = outlier_activations(12, 96, OUTLIERS)
     layer, config = calibrated(w, x, bias=b)
-    s = config.calibration_state()["model.layers.0.mlp.down_proj"]
+    s = config.calibration_state()["model.layers.0.mlp.down_proj"]["scales"]
     # reference from the formula, written out: x / s per token, W * s per row, 127 levels
     xs_, ws_ = x / s, w * s
     xstep = xs_.abs().amax(1, keepdim=True) / 127

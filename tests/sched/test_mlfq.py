@@ -37,6 +37,16 @@ def test_registered_and_config_validated():
     with pytest.raises(ValueError, match="num_levels"):
         MLFQConfig(num_levels=0)
     assert [CFG.quantum(lv) for lv in range(4)] == [4, 8, 16, float("inf")]
+    assert MLFQConfig().quanta == (64, 256, 1024) and MLFQConfig().num_levels == 4
+    explicit = MLFQConfig(quanta=[5, 40])
+    assert (explicit.num_levels, explicit.quanta, explicit.base_quantum) == (3, (5, 40), 5)
+    assert [explicit.quantum(lv) for lv in range(3)] == [5, 40, float("inf")]
+    for bad in ([], [8, 8], [16, 4], [0, 4], [4.5, 8], "64,256"):
+        with pytest.raises(ValueError, match="quanta"):
+            MLFQConfig(quanta=bad)
+    for bad in (0, -0.5, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="prefill_weight"):
+            MLFQConfig(prefill_weight=bad)
 
 
 def test_skip_join_by_estimated_prefill_work():
@@ -75,6 +85,31 @@ def test_demotion_when_the_quantum_is_used_up():
     charge(q, r, 1000)
     charge(q, r, 1000)
     assert q.level_of(r) == 3                    # the last level never demotes further
+
+
+def test_prefill_weight_counts_prompt_tokens_as_cheaper_than_decodes():
+    # weight 1/4: a 10-token prompt is 2.5 of work (level 0, quantum 4); 20 tokens is 5 (level 1)
+    cfg = MLFQConfig(num_levels=4, base_quantum=4, quantum_growth=2, prefill_weight=0.25)
+    q = MLFQRequestQueue(cfg)
+    short, long_ = make_request("p10", prompt_len=10), make_request("p20", prompt_len=20)
+    q.add(long_)
+    q.add(short)
+    assert (q.level_of(short), q.level_of(long_)) == (0, 1)
+    assert q.estimated_work(short) == 2.5
+    assert q.pop() is short
+    # a 4-token chunk that does not reach the prompt's end: 4 x 0.25 = 1
+    charge(q, short, 4)
+    assert q._ranks["p10"].work_in_level == 1.0
+    # the chunk that ends the prompt samples a token: + 1 + 5 x 0.25
+    short.num_computed_tokens = 4
+    charge(q, short, 6)
+    assert q._ranks["p10"].work_in_level == 3.25 and q.level_of(short) == 0
+    short.num_computed_tokens = 10
+    short.append_output_token(5)
+    charge(q, short, 1)                          # a decode costs a whole step: 4.25 >= 4,
+    # demoted, to the back of level 1
+    assert q.level_of(short) == 1 and q._ranks["p10"].work_in_level == 0
+    assert q._ranks["p10"].order > q._ranks["p20"].order
 
 
 def test_promotion_after_starvation_bound():
@@ -125,6 +160,15 @@ def test_kv_victim_is_the_lowest_ranked_running():
     assert q.select_preemption_victim(running) is b
     q.order_running(running)
     assert ids(running) == ["a", "c", "b"]
+    # equal level and priority: the later into the level goes first, wherever it runs
+    d = make_request("d", prompt_len=20)
+    q.add(d)
+    running.insert(0, q.pop())
+    assert ids(running) == ["d", "a", "c", "b"]
+    assert q.select_preemption_victim(running) is d
+    assert q.requests_to_yield(running, 0) == []          # nobody waits
+    q.add(make_request("new", prompt_len=1))
+    assert ids(q.requests_to_yield(running, 0)) == ["d"]
 
 
 # ---- through the scheduler ---------------------------------------------------------------

@@ -9,12 +9,14 @@
 #include "elementwise.cpp"
 #include "linear.cpp"
 
+// Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &kvforge::add_rms_norm, "residual add + RMSNorm (fp32)");
-  m.def("silu_and_mul", &kvforge::silu_and_mul, "SwiGLU activation (fp32)");
-  m.def("rotary_neox", &kvforge::rotary_neox, "NeoX rotary embedding (fp32)");
-  m.def("linear_small_m", &kvforge::linear_small_m, "x @ W^T for 1..8 rows (fp32)");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("add_rms_norm", &kvforge::add_rms_norm, "residual add + RMSNorm (fp32)", release_gil());
+  m.def("silu_and_mul", &kvforge::silu_and_mul, "SwiGLU activation (fp32)", release_gil());
+  m.def("rotary_neox", &kvforge::rotary_neox, "NeoX rotary embedding (fp32)", release_gil());
+  m.def("linear_small_m", &kvforge::linear_small_m, "x @ W^T for 1..8 rows (fp32)", release_gil());
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
-        "decode attention over paged KV (fp32)");
+        "decode attention over paged KV (fp32)", release_gil());
   kvforge::bind_decode_stack(m);
 }

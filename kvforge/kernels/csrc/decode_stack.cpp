@@ -45,7 +45,10 @@ struct Projection {
   int64_t out_features(int64_t fallback) const { return weight.defined() ? weight.size(0) : fallback; }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (module) return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
+    if (module) {       // forward() runs without the GIL (see bindings): take it for Python
+      pybind11::gil_scoped_acquire gil;
+      return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
+    }
     at::Tensor y;
     if (x.size(0) <= kSmallMMax) {
       y = at::empty({x.size(0), weight.size(0)}, x.options());
@@ -203,7 +206,9 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<pybind11::object>>, at::Tensor, double,
                           int64_t, int64_t, int64_t, double>())
-      .def("forward", &DecodeStack::forward);
+      // the GIL is released while a step runs, so Python threads (swap copies, the server)
+      // keep going; quantized projections re-acquire it for their module call
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace kvforge

@@ -1,0 +1,181 @@
+"""Which attention window an engine runs, from its flags or the model's own config.
+
+- Engine flags ``attention_sinks`` S / ``sliding_window`` W (``--attention-sinks``,
+  ``--sliding-window``): StreamingLLM on every layer, in-cache positions (``window.py``), and
+  the context is no longer bounded by the model (``max_model_len`` may exceed it; default
+  ``STREAMING_MAX_MODEL_LEN``) because no query-key distance ever exceeds S + W - 1.
+- Otherwise a model config's ``sliding_window`` (Mistral; Qwen2 / Qwen2-MoE only with
+  ``use_sliding_window``, on the layers its ``layer_types`` (or ``max_window_layers``) name):
+  a true-position window on those layers, only when it can matter (W < max_model_len).
+
+KV blocks are freed only when every layer is windowed (a full-attention layer still reads the
+whole context). Freed blocks break prefix sharing, so the prefix cache is then off.
+Combinations that would read a freed block or a wrong window are refused with a ValueError:
+another attention backend (fp8 KV cache, tiled, QUEST), speculative decoding, swap preemption,
+and model families without rotary Llama-style attention.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvforge.attention.window import AttentionWindow
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvforge.config import EngineConfig
+    from kvforge.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# max_model_len when StreamingLLM is on and none is given: generation is bounded by max_tokens,
+# EOS or this, not by memory (a request holds at most max_live_blocks KV blocks)
+STREAMING_MAX_MODEL_LEN = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Per decoder layer its window (None = full attention), and where it came from."""
+
+    layers: tuple[AttentionWindow | None, ...]
+    from_flags: bool              # StreamingLLM flags (in-cache positions): past the context
+
+    @property
+    def kv_window(self) -> AttentionWindow | None:
+        """The window whose out-of-window blocks can be freed: every layer's, when all agree."""
+        first = self.layers[0] if self.layers else None
+        return first if first is not None and all(w == first for w in self.layers) else None
+
+
+def validate_window_args(config: "EngineConfig") -> None:
+    """EngineConfig.__post_init__: the flags alone (the model is not known yet)."""
+    sinks, window = config.attention_sinks, config.sliding_window
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(f"attention_sinks must be an integer >= 0, got {sinks!r}")
+    if window is None:
+        if sinks:
+            raise ValueError(f"attention_sinks={sinks} needs a sliding_window (StreamingLLM "
+                             f"attends to the sinks plus the last sliding_window tokens)")
+        return
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    if window < config.block_size:
+        raise ValueError(f"sliding_window {window} is smaller than one KV block "
+                         f"({config.block_size} tokens): no block could ever be freed")
+    _check_compatible(config, f"sliding_window={window}")
+
+
+def _check_compatible(config: "EngineConfig", what: str) -> None:
+    if config.attention_backend != "paged":
+        raise ValueError(f"{what} runs on the paged KV layout; it cannot be combined with "
+                         f"attention_backend={config.attention_backend!r} (sparse_attention="
+                         f"{config.sparse_attention!r}, kv_cache_dtype={config.kv_cache_dtype!r})")
+    if config.speculative_method not in (None, "none"):
+        raise ValueError(f"{what} cannot be combined with speculative decoding "
+                         f"(speculative_method={config.speculative_method!r})")
+    if config.preemption_mode != "recompute":
+        raise ValueError(f"{what} frees out-of-window KV blocks; preemption_mode="
+                         f"{config.preemption_mode!r} would swap a partly freed block table "
+                         f"(use recompute)")
+
+
+def native_window_layers(model_config: "ModelConfig") -> list[bool]:
+    """Which layers apply the model's own ``sliding_window`` (HF semantics)."""
+    hf = model_config.hf_config
+    num_layers = model_config.num_hidden_layers
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        return [t == "sliding_attention" for t in layer_types]
+    if hf.get("model_type") == "qwen2" and "max_window_layers" in hf:
+        return [i >= hf["max_window_layers"] for i in range(num_layers)]
+    return [True] * num_layers
+
+
+def _check_architecture(model_config: "ModelConfig", what: str) -> None:
+    from kvforge.models.llama import LlamaForCausalLM
+    from kvforge.models.registry import get_model_class
+    if not issubclass(get_model_class(model_config.architecture), LlamaForCausalLM):
+        raise ValueError(f"{what}: windowed attention needs a Llama-family model (rotary "
+                         f"attention over the paged cache); {model_config.architecture} is not")
+
+
+def resolve_attention_window(config: "EngineConfig",
+                             model_config: "ModelConfig") -> WindowPlan | None:
+    """The engine's window plan, or None for full attention everywhere. Pure: the engine (KV
+    manager, context length) and the runner (attention backends) both call it."""
+    num_layers = model_config.num_hidden_layers
+    if config.sliding_window is not None:
+        what = f"attention_sinks={config.attention_sinks}, sliding_window={config.sliding_window}"
+        _check_architecture(model_config, what)
+        window = AttentionWindow(config.attention_sinks, config.sliding_window, "in_cache")
+        context = model_config.max_position_embeddings
+        if window.span > context:
+            raise ValueError(f"{what}: sinks + window = {window.span} tokens exceeds the model's "
+                             f"context of {context}; in-cache positions must stay inside it")
+        return WindowPlan((window,) * num_layers, from_flags=True)
+    size = model_config.sliding_window
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    if not size or size >= max_len:
+        return None                 # no query can reach past the window: full attention is exact
+    layers = native_window_layers(model_config)
+    if not any(layers):
+        return None
+    what = f"model sliding_window={size} (< max_model_len {max_len})"
+    _check_architecture(model_config, what)
+    _check_compatible(config, what)
+    window = AttentionWindow(0, size, "true")
+    return WindowPlan(tuple(window if on else None for on in layers), from_flags=False)
+
+
+def log_prefix_caching(plan: WindowPlan | None, requested: bool) -> bool:
+    """Whether the prefix cache may run with this plan (logs when the window turns it off)."""
+    if plan is None or plan.kv_window is None:
+        return requested
+    if requested:
+        logger.info("prefix caching off: the attention window frees KV blocks a shared prefix "
+                    "would need")
+    return False
+
+
+def configure_attention_window(model: "torch.nn.Module",
+                               config: "EngineConfig") -> WindowPlan | None:
+    """Give every attention layer of a loaded model its window (ModelRunner, after loading):
+    each layer's ``paged`` backend becomes a ``WindowedAttentionBackend`` with its layer's
+    window and the model's RoPE frequencies; StreamingLLM also makes the rotary table serve
+    positions past the context."""
+    from kvforge.attention.paged import PagedAttentionBackend
+    from kvforge.attention.windowed import WindowedAttentionBackend
+    from kvforge.layers.rotary import compute_inv_freq
+    from kvforge.layers.rotary_unbounded import UnboundedRotaryEmbedding
+
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        return None
+    plan = resolve_attention_window(config, model_config)
+    if plan is None:
+        return None
+    rotary = model.model.rotary_emb
+    inner = rotary.inner if isinstance(rotary, UnboundedRotaryEmbedding) else rotary
+    inv_freq, _ = compute_inv_freq(inner.rotary_dim, model_config.rope_theta,
+                                   model_config.rope_scaling, model_config.max_position_embeddings)
+    attentions = [m for m in model.modules() if isinstance(getattr(m, "attn", None),
+                                                           PagedAttentionBackend)]
+    if len(attentions) != len(plan.layers):
+        raise ValueError(f"found {len(attentions)} paged attention layers for "
+                         f"{len(plan.layers)} windows in {type(model).__name__}")
+    device = next(model.parameters()).device
+    for module, window in zip(attentions, plan.layers):
+        old = module.attn
+        backend = WindowedAttentionBackend(old.num_heads, old.num_kv_heads, old.head_size,
+                                           old.scale, old.head_size_v)
+        backend.window, backend.rope_inv_freq = window, inv_freq.to(device)
+        module.attn = backend
+    if plan.from_flags and not isinstance(rotary, UnboundedRotaryEmbedding):
+        model.model.rotary_emb = UnboundedRotaryEmbedding(inner, inv_freq)
+    logger.info("attention window: %d of %d layers, %s", sum(w is not None for w in plan.layers),
+                len(plan.layers), plan.kv_window or "per layer, no KV freeing")
+    return plan

@@ -1,0 +1,220 @@
+"""Attention windows through the whole engine: a model's native sliding window against HF
+transformers, StreamingLLM (sinks + window) past the model's context with bounded KV blocks."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.attention.window import AttentionWindow
+from kvforge.attention.windowed import WindowedAttentionBackend
+from kvforge.config import EngineConfig
+from tests.helpers.hf_oracle import hf_greedy
+
+BLOCK = 4
+MAX_TOKENS = 24
+
+
+def random_prompts(seed: int, lengths=(5, 33, 18, 47)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def run_and_watch(llm, prompts, params):
+    """Generate step by step: (token ids per prompt, most blocks any request held, logprobs).
+    Checks integrity after every step and that every block is back at the end."""
+    engine = llm.engine
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    final, most_held = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        most_held = max([most_held] + [engine.kv_manager.num_held_blocks(r.request_id)
+                                       for r in engine.scheduler.running])
+        engine.check_integrity()
+    assert engine.num_free_blocks == engine.runner.num_blocks, "leaked KV blocks"
+    outs = [final[i].outputs[0] for i in ids]
+    return [o.token_ids for o in outs], most_held, [o.logprobs for o in outs]
+
+
+def backends(llm):
+    return [layer.self_attn.attn for layer in llm.engine.runner.model.model.layers]
+
+
+# ------------------------------------------------------------------ native sliding window
+@pytest.fixture(scope="module")
+def mistral_window(tiny_model_factory):
+    """Tiny Mistral with sliding_window 8, and HF's greedy outputs with and without it."""
+    path, hf = tiny_model_factory("mistral", sliding_window=8, initializer_range=0.1)
+    _, hf_full = tiny_model_factory("mistral", sliding_window=None, initializer_range=0.1)
+    prompts = random_prompts(0)
+    refs = [hf_greedy(hf, p, MAX_TOKENS)[0] for p in prompts]
+    full = [hf_greedy(hf_full, p, MAX_TOKENS)[0] for p in prompts]
+    return path, prompts, refs, full
+
+
+def test_hf_applies_the_window(mistral_window):
+    _, _, refs, full = mistral_window
+    # same weights: every prompt + output outgrows the 8-token window, so HF's output changes
+    assert all(r != f for r, f in zip(refs, full))
+
+
+@pytest.mark.parametrize("schedule", [
+    dict(),                                                   # whole prompts in one step
+    dict(max_num_batched_tokens=8, max_num_seqs=3),           # chunked prefill
+    dict(enable_chunked_prefill=False),
+    dict(num_kv_blocks=8),                                    # preemption by recompute
+], ids=["batched", "chunked", "no_chunking", "preempting"])
+def test_native_window_matches_hf_and_frees_blocks(mistral_window, schedule):
+    path, prompts, refs, _ = mistral_window
+    llm = LLM(path, block_size=BLOCK, **{"num_kv_blocks": 128, **schedule})
+    window = llm.engine.kv_manager.window
+    assert window == AttentionWindow(0, 8, "true")
+    assert all(b.window == window for b in backends(llm))
+    assert llm.engine.kv_manager.prefix_cache is None, "freed blocks cannot be shared"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens, most_held, _ = run_and_watch(llm, prompts, params)
+    assert tokens == refs
+    if schedule.get("num_kv_blocks"):
+        assert llm.engine.num_preemptions_total > 0, "pool meant to preempt"
+    # the longest request (47 + 24 tokens) would hold 18 blocks without the window
+    chunk = llm.engine.scheduler.config.max_num_batched_tokens
+    assert most_held <= window.max_live_blocks(BLOCK, min(chunk, 47))
+    if schedule.get("max_num_batched_tokens") == 8:
+        assert most_held <= window.max_live_blocks(BLOCK, 8) == 5
+
+
+def test_qwen2_window_on_upper_layers_only_matches_hf(tiny_model_factory):
+    # HF Qwen2: layers >= max_window_layers slide; layer 0 attends to everything, so no block
+    # can be freed and the prefix cache stays on
+    path, hf = tiny_model_factory("qwen2", use_sliding_window=True, sliding_window=8,
+                                  max_window_layers=1, initializer_range=0.1)
+    prompts = random_prompts(1, lengths=(30, 12))
+    llm = LLM(path, block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=8)
+    assert [b.window for b in backends(llm)] == [None, AttentionWindow(0, 8, "true")]
+    assert llm.engine.kv_manager.window is None and llm.engine.kv_manager.prefix_cache is not None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens, _, _ = run_and_watch(llm, prompts, params)
+    assert tokens == [hf_greedy(hf, p, 16)[0] for p in prompts]
+
+
+def test_window_at_least_the_context_is_plain_attention(tiny_model_factory):
+    path, _ = tiny_model_factory("mistral", sliding_window=600, initializer_range=0.1)
+    llm = LLM(path, block_size=BLOCK, num_kv_blocks=16)          # context 512 <= 600
+    assert not any(isinstance(b, WindowedAttentionBackend) for b in backends(llm))
+    assert llm.engine.kv_manager.window is None
+
+
+# ------------------------------------------------------------------ StreamingLLM
+@pytest.fixture(scope="module")
+def short_context(tiny_model_factory):
+    path, _ = tiny_model_factory("llama", max_position_embeddings=64, initializer_range=0.1)
+    return path
+
+
+def streaming_llm(path, **kwargs):
+    return LLM(path, block_size=BLOCK, attention_sinks=4, sliding_window=16,
+               **{"num_kv_blocks": 64, "max_num_batched_tokens": 32, **kwargs})
+
+
+def test_streaming_generates_past_the_context_with_bounded_blocks(short_context):
+    llm = streaming_llm(short_context)
+    engine = llm.engine
+    assert engine.max_len_per_request > 64
+    prompt = random_prompts(2, lengths=(10,))
+    params = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True, logprobs=1)
+    [tokens], most_held, [logprobs] = run_and_watch(llm, prompt, params)
+    assert len(tokens) == 320                                  # 330 positions, context 64
+    # the compiled whole-step decode (kernels/decode_stack.py) knows no windows: never used
+    assert engine.runner.model._decode_stack is None
+    assert most_held <= -(-(4 + 16) // BLOCK) + 1 == 6         # S + W tokens, one partial block
+    chosen = [lp[t] for lp, t in zip(logprobs, tokens)]
+    assert all(math.isfinite(x) for x in chosen)
+    assert len(set(tokens)) > 100, "generation collapsed into a loop"
+    # until a query's window first drops a key (position S + W = 20, output 11) it is dense
+    dense = LLM(short_context, block_size=BLOCK, num_kv_blocks=64)
+    ref = dense.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                logprobs=1), use_tqdm=False)[0].outputs[0]
+    assert tokens[:11] == ref.token_ids[:11]
+    gaps = [abs(a[t] - b[t]) for a, b, t in zip(logprobs[11:], ref.logprobs[11:], tokens[11:])
+            if t in b]
+    assert gaps and max(gaps) > 1e-3, "the window was meant to change the distribution"
+
+
+def test_streaming_output_does_not_depend_on_chunks_batching_forks_or_preemption(short_context):
+    # prompts longer than the model's context; token-exact masks make every schedule agree
+    prompts = random_prompts(3, lengths=(100, 7, 70))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected, _, _ = run_and_watch(streaming_llm(short_context, max_num_batched_tokens=128),
+                                   prompts, params)
+    chunked, _, _ = run_and_watch(streaming_llm(short_context, max_num_batched_tokens=8),
+                                  prompts, params)
+    assert chunked == expected
+    alone = [run_and_watch(streaming_llm(short_context), [p], params)[0][0] for p in prompts]
+    assert alone == expected
+    llm = streaming_llm(short_context, num_kv_blocks=14, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "pool meant to preempt"
+    llm.engine.check_integrity()
+    # n = 2 forks after the 100-token prompt: the parent's table already has released entries
+    llm = streaming_llm(short_context)
+    out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=40,
+                                                   ignore_eos=True, n=2), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [expected[0]] * 2
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == 64
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attention_sinks=-1, sliding_window=16), "attention_sinks must be an integer >= 0"),
+    (dict(sliding_window=0), "sliding_window must be a positive integer"),
+    (dict(sliding_window=8, block_size=16), "smaller than one KV block"),
+    (dict(attention_sinks=4), "needs a sliding_window"),
+    (dict(sliding_window=64, sparse_attention="quest"), "cannot be combined"),
+    (dict(sliding_window=64, kv_cache_dtype="fp8_e4m3"), "cannot be combined"),
+    (dict(sliding_window=64, speculative_method="ngram"), "speculative decoding"),
+    (dict(sliding_window=64, preemption_mode="swap"), "preemption_mode='swap'"),
+])
+def test_config_rejects_bad_window_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_rejects_windows_the_model_cannot_run(short_context, tiny_model_factory):
+    with pytest.raises(ValueError, match="sinks \\+ window = 68 tokens exceeds the model's "
+                                         "context of 64"):
+        LLM(short_context, block_size=BLOCK, attention_sinks=4, sliding_window=64)
+    gpt2, _ = tiny_model_factory("gpt2")
+    with pytest.raises(ValueError, match="needs a Llama-family model"):
+        LLM(gpt2, block_size=BLOCK, sliding_window=16)
+
+
+def test_bad_request_leaves_a_streaming_engine_clean(short_context):
+    llm = streaming_llm(short_context)
+    engine = llm.engine
+    engine.add_request("ok", random_prompts(4, lengths=(30,))[0],
+                       SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [5, 10**6], SamplingParams(max_tokens=4))
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.num_free_blocks == 64
+
+
+def test_cli_flags_reach_the_engine_config(tmp_path, capsys):
+    from kvforge.cli import main
+    from tests.helpers.cli import engine_config_from_flags
+    config = engine_config_from_flags(["--attention-sinks", "4", "--sliding-window", "1024"])
+    assert (config.attention_sinks, config.sliding_window) == (4, 1024)
+    assert engine_config_from_flags([]).sliding_window is None
+    rc = main(["generate", "x", "--model", str(tmp_path / "m"), "--attention-sinks", "4"])
+    assert rc == 2 and "needs a sliding_window" in capsys.readouterr().err

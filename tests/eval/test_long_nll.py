@@ -1,0 +1,70 @@
+"""Chunked long-text NLL (kvforge/eval/long_nll.py) against the one-prefill evaluator and the
+engine's own prompt logprobs, on a tiny model with a 64-token context."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+from kvforge.attention.window import AttentionWindow
+from kvforge.eval.long_nll import chunked_nll, set_window
+from kvforge.eval.perplexity import window_nll
+
+BLOCK = 4
+STREAMING = AttentionWindow(4, 16)
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_model_factory):
+    path, _ = tiny_model_factory("llama", max_position_embeddings=64, initializer_range=0.1)
+    llm = LLM(path, block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=32,
+              attention_sinks=4, sliding_window=16)
+    # the model's own greedy text (random ids would be scored near-uniformly by any attention)
+    prompt = [random.Random(5).randrange(3, 49152) for _ in range(8)]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=192, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return llm, prompt + out.outputs[0].token_ids
+
+
+def test_dense_chunks_equal_one_prefill(streaming):
+    llm, ids = streaming
+    model = llm.engine.runner.model
+    result = chunked_nll(model, ids[:60], None, chunk=7, block_size=BLOCK)
+    set_window(model, None)
+    total, count = window_nll(model, ids[:60], block_size=BLOCK)
+    assert count == 59 == len(result.nll)
+    assert abs(float(result.nll.sum()) - total) < 1e-3 * abs(total)
+    assert result.max_held_blocks == 15                  # dense: the whole text
+
+
+def test_streaming_nll_past_the_context_matches_the_engine(streaming):
+    llm, ids = streaming
+    model = llm.engine.runner.model
+    small = chunked_nll(model, ids, STREAMING, chunk=16, block_size=BLOCK)
+    whole = chunked_nll(model, ids, STREAMING, chunk=199, block_size=BLOCK)
+    torch.testing.assert_close(small.nll, whole.nll, rtol=1e-4, atol=1e-4)
+    assert small.max_held_blocks <= STREAMING.max_live_blocks(BLOCK, 16) == 10
+    assert torch.isfinite(small.nll).all()
+    # the engine, chunked by its own scheduler, gives the same per-token logprobs
+    set_window(model, STREAMING)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    engine_nll = torch.tensor([-lp[t] for lp, t in zip(out.prompt_logprobs[1:], ids[1:])],
+                              dtype=torch.float64)
+    torch.testing.assert_close(small.nll, engine_nll, rtol=1e-4, atol=1e-4)
+    # and it differs from dense past the window (positions >= S + W = 20)
+    dense = chunked_nll(model, ids[:64], None, chunk=16, block_size=BLOCK)
+    torch.testing.assert_close(small.nll[:19], dense.nll[:19], rtol=1e-4, atol=1e-4)
+    assert (small.nll[19:63] - dense.nll[19:63]).abs().max() > 1e-3
+
+
+def test_bad_arguments_raise(streaming):
+    llm, ids = streaming
+    model = llm.engine.runner.model
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        chunked_nll(model, ids, STREAMING, chunk=0)
+    with pytest.raises(ValueError, match="cannot hold a chunk"):
+        chunked_nll(model, ids, STREAMING, chunk=16, block_size=BLOCK, num_blocks=3)
+    with pytest.raises(ValueError, match="no windowed attention backend"):
+        set_window(torch.nn.Linear(2, 2), None)
