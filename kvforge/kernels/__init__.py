@@ -58,7 +58,8 @@ def cpu_kernels():
         logger.info("loading kvforge CPU kernels (built once per machine, about a minute)")
         _module = load(name="kvforge_cpu_kernels", sources=[str(p) for p in _SOURCES],
                        build_directory=str(build_dir), verbose=False,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"])
     except Exception as exc:   # no compiler / ninja / headers: run on PyTorch ops instead
         logger.warning("kvforge CPU kernels unavailable (%s: %s); using PyTorch ops",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

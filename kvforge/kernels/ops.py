@@ -78,7 +78,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
-SMALL_M_MAX = 8   # rows the compiled GEMV-style kernel takes (csrc: kSmallMMax)
+# rows the compiled few-row kernel is used for (csrc: kSmallMMin..kSmallMMax; MKL is faster
+# below, measured in csrc/kernels.h)
+SMALL_M_MIN, SMALL_M_MAX = 4, 8
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

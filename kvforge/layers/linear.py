@@ -91,7 +91,7 @@ class UnquantizedLinearMethod(LinearMethod):
         x2d = x.reshape(-1, layer.input_size)
         rows = x2d.shape[0]
         y = (kernel_ops.linear_small_m(x2d, layer.weight)
-             if 0 < rows <= kernel_ops.SMALL_M_MAX else None)
+             if kernel_ops.SMALL_M_MIN <= rows <= kernel_ops.SMALL_M_MAX else None)
         if y is not None:
             if layer.bias is not None:
                 y += layer.bias

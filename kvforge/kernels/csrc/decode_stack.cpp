@@ -10,8 +10,8 @@
 //   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
 //   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
 //
-// Weights are the model's own tensors (no copies). fp32 GEMMs of up to kSmallMMax rows use
-// linear_rows (weights streamed once), more rows at::mm like the Python path; a quantized
+// Weights are the model's own tensors (no copies). fp32 GEMMs of 4..8 rows use linear_rows
+// (weights streamed once), others MKL like the Python path; a quantized
 // projection is called back as its Python module (its own int8/int4 kernel), and everything
 // between the projections still runs here.
 #include "kernels.h"
@@ -49,13 +49,17 @@ struct Projection {
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
+    // the same choices as layers/linear.py (measured there): MKL's 2-column GEMM for 1 row,
+    // (W @ x^T)^T up to 3 and from 9 rows, our linear_rows for 4..8
     at::Tensor y;
-    if (x.size(0) <= kSmallMMax) {
-      y = at::empty({x.size(0), weight.size(0)}, x.options());
+    const int64_t rows = x.size(0);
+    if (rows == 1) {
+      y = at::mm(weight, x.expand({2, -1}).contiguous().t()).select(1, 0).unsqueeze(0).contiguous();
+    } else if (rows >= kSmallMMin && rows <= kSmallMMax) {
+      y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
-                  x.size(0), x.size(1), weight.size(0));
+                  rows, x.size(1), weight.size(0));
     } else {
-      // (W @ x^T)^T: measured faster than x @ W^T for 16..128 rows (layers/linear.py)
       y = at::mm(weight, x.t()).t().contiguous();
     }
     if (bias.defined()) y.add_(bias);

@@ -8,25 +8,44 @@ namespace kvforge {
 // contiguous row ranges, i.e. sequential streams the hardware prefetcher follows.
 namespace {
 
+// R rows of W at a time: R independent memory streams and R*M independent FMA chains keep the
+// load and FMA pipes busy (one row at a time streamed ~15% slower than MKL here).
+template <int M, int R>
+void weight_rows(const float* __restrict xp, int64_t xs, const float* __restrict wp,
+                 float* __restrict yp, int64_t out_features, int64_t in, int64_t n) {
+  const int64_t in16 = in - in % 16;
+  vec16 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = vec16{};
+  for (int64_t k = 0; k < in16; k += 16) {
+    vec16 w[R];
+    for (int r = 0; r < R; ++r) {
+      w[r] = load16(wp + (n + r) * in + k);
+      __builtin_prefetch(wp + (n + r) * in + k + 512, 0, 0);   // 2 KiB ahead, streaming
+    }
+    for (int m = 0; m < M; ++m) {
+      const vec16 xv = load16(xp + m * xs + k);
+      for (int r = 0; r < R; ++r) acc[r][m] += w[r] * xv;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* wr = wp + (n + r) * in;
+    for (int m = 0; m < M; ++m) {
+      float total = hsum(acc[r][m]);
+      for (int64_t k = in16; k < in; ++k) total += wr[k] * xp[m * xs + k];
+      yp[m * out_features + n + r] = total;
+    }
+  }
+}
+
 template <int M>
 void rows_times_weight(const float* __restrict xp, int64_t xs, const float* __restrict wp,
                        float* __restrict yp, int64_t out_features, int64_t in, int64_t n0,
                        int64_t n1) {
-  const int64_t in16 = in - in % 16;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = wp + n * in;
-    vec16 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vec16{};
-    for (int64_t k = 0; k < in16; k += 16) {
-      const vec16 w = *reinterpret_cast<const vec16*>(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] += w * *reinterpret_cast<const vec16*>(xp + m * xs + k);
-    }
-    for (int m = 0; m < M; ++m) {
-      float total = hsum(acc[m]);
-      for (int64_t k = in16; k < in; ++k) total += wr[k] * xp[m * xs + k];
-      yp[m * out_features + n] = total;
-    }
-  }
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);     // R * M accumulators fit the registers
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) weight_rows<M, R>(xp, xs, wp, yp, out_features, in, n);
+  for (; n < n1; ++n) weight_rows<M, 1>(xp, xs, wp, yp, out_features, in, n);
 }
 
 using RowsKernel = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t,
