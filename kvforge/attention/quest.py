@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from kvforge.attention.base import register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import PagedAttentionBackend
+from kvforge.kernels import ops as kernel_ops
 
 
 @dataclass
@@ -136,18 +137,39 @@ class QuestAttentionBackend(PagedAttentionBackend):
                              f"[2, num_blocks, {size + 1}, {self.num_kv_heads}, {self.head_size}]")
         slots = kv_cache[:, :, :size]          # the K/V slots: the paged layout (a strided view)
         self._check_inputs(q, k, v, slots, meta)
-        write_kv_and_bounds(kv_cache, k, v, meta)
+        ops = kernel_ops.cpu_kernels()
+        if (ops is not None and kv_cache.dtype == torch.float32 and k.dtype == torch.float32
+                and kv_cache.is_cpu and kv_cache.is_contiguous() and k.stride(2) == 1
+                and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]):
+            ops.quest_write(kv_cache, k, v, meta.slot_mapping)      # csrc/quest.cpp, same rule
+        else:
+            write_kv_and_bounds(kv_cache, k, v, meta)
         plan = self._plan(meta, slots, q.dtype)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
         if plan.decode_slices:
             longest = max(meta.seq_lens_list[:meta.num_decodes])
             if self.is_sparse_layer and longest > self.token_budget:
-                self._sparse_decode(q, kv_cache, meta, out)
+                if not self._kernel_sparse_decode(q, kv_cache, meta, out):
+                    self._sparse_decode(q, kv_cache, meta, out)
             else:
                 self._decode(q, slots, plan.decode_slices, out)
         if plan.prefill_chunks:
             self._prefill(q, k, v, slots, plan.prefill_chunks, out)
         return out
+
+    def _kernel_sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                              meta: AttentionMetadata, out: torch.Tensor) -> bool:
+        """The same selection and attention in one compiled call (fp32 CPU, csrc/quest.cpp);
+        False when it does not apply (the PyTorch path below runs)."""
+        n = meta.num_decodes
+        ops = kernel_ops.cpu_kernels()
+        if (ops is None or q.dtype != torch.float32 or kv_cache.dtype != torch.float32
+                or not q.is_cpu or not kv_cache.is_contiguous() or q.stride(2) != 1):
+            return False
+        k_sel = max(1, self.token_budget // meta.block_size)
+        out[:n] = ops.quest_decode(q[:n], kv_cache, meta.block_tables[:n].contiguous(),
+                                   meta.seq_lens[:n], k_sel, self.scale)
+        return True
 
     def _sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                        out: torch.Tensor) -> None:

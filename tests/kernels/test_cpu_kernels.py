@@ -223,3 +223,54 @@ def test_stack_runs_short_prefills_and_verification_like_python_layers(compiled,
         _greedy(llm, prompts, max_tokens=16)
     assert max(seen) > 1                                   # multi-token runs happened
     _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4, max_tokens=16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("budget_blocks", [1, 3, 6])
+def test_quest_decode_kernel_matches_pytorch_path(compiled, monkeypatch, budget_blocks):
+    """csrc/quest.cpp selects the same blocks (bounds from the stored key min/max, current
+    block always) and attends like attention/quest.py's PyTorch path."""
+    from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.attention.quest import QuestAttentionBackend, write_kv_and_bounds
+    g = torch.Generator().manual_seed(budget_blocks)
+    heads, kv_heads, dim, block = 6, 2, 32, 4
+    backend = QuestAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
+    backend.token_budget = budget_blocks * block
+    lens = [37, 50, 9, 45]                      # partial current blocks; one short sequence
+    per_seq = -(-(max(lens) + 1) // block)
+    perm = torch.randperm(len(lens) * per_seq, generator=g).tolist()
+    tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(len(lens))]
+    cache = torch.zeros(backend.kv_cache_shape(len(perm), block))
+    k = torch.randn(sum(lens), kv_heads, dim, generator=g)
+    write_kv_and_bounds(cache, k, torch.randn_like(k),
+                        AttentionMetadata.build(lens, [0] * len(lens), tables, block))
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    kn = torch.randn(len(lens), kv_heads, dim, generator=g)
+    step = lambda: AttentionMetadata.build([1] * len(lens), lens, tables, block)  # noqa: E731
+    with_kernel = backend.forward(q, kn, kn, cache.clone(), step())
+    monkeypatch.setattr(kernels, "_module", None)
+    reference = backend.forward(q, kn, kn, cache.clone(), step())
+    torch.testing.assert_close(with_kernel, reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_quest_write_matches_write_kv_and_bounds(compiled):
+    """K/V writes + block key min/max: chunked prefill, decodes, a rewrite of rolled-back slots
+    and a reused block with stale slots past the written ones, against the PyTorch rule."""
+    from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.attention.quest import write_kv_and_bounds
+    g = torch.Generator().manual_seed(0)
+    kv_heads, dim, block, num_blocks = 2, 16, 4, 12
+    ours = torch.randn(2, num_blocks, block + 1, kv_heads, dim, generator=g)  # stale garbage
+    ref = ours.clone()
+    steps = [([6, 3], [0, 0], [[0, 1], [5]]),          # prefill chunks of two sequences
+             ([1, 1], [6, 3], [[0, 1], [5]]),          # decodes
+             ([3], [5], [[0, 1]]),                     # rewrite positions 5..7 (rollback)
+             ([2], [0], [[7]])]                        # a reused block: slots 2, 3 stale
+    for query_lens, context_lens, tables in steps:
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, block)
+        k = torch.randn(sum(query_lens), kv_heads, dim, generator=g)
+        v = torch.randn_like(k)
+        compiled.quest_write(ours, k, v, meta.slot_mapping)
+        write_kv_and_bounds(ref, k, v, meta)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)

@@ -34,6 +34,12 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
   scores.resize(static_cast<size_t>(heads * len));
   //   scores[h * len + (j - j0)] = scale * q[h] . K[j, h / group]
   for (int64_t j = j0; j < j1; ++j) {
+    if (j % block == 0 && j + block < j1) {     // next block's key rows (blocks are scattered)
+      const float* next = keys.data + table[j / block + 1] * keys.block_stride;
+      for (int64_t t = 0; t < block; ++t)
+        for (int64_t d = 0; d < keys.head_stride * (heads / group); d += 16)
+          __builtin_prefetch(next + t * keys.token_stride + d);
+    }
     const float* row = keys.data + table[j / block] * keys.block_stride + (j % block) * keys.token_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float* key = row + (h / group) * keys.head_stride;

@@ -8,6 +8,7 @@
 #include "decode_stack.cpp"
 #include "elementwise.cpp"
 #include "linear.cpp"
+#include "quest.cpp"
 
 // Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &kvforge::linear_small_m, "x @ W^T for 1..8 rows (fp32)", release_gil());
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32)", release_gil());
+  m.def("quest_decode", &kvforge::quest_decode,
+        "QUEST sparse decode: block bounds, top-k, attention over the chosen blocks (fp32)",
+        release_gil());
+  m.def("quest_write", &kvforge::quest_write,
+        "QUEST: write K/V and recompute written blocks' key min/max (fp32)", release_gil());
   kvforge::bind_decode_stack(m);
 }

@@ -143,5 +143,8 @@ at::Tensor rotary_neox(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor linear_small_m(at::Tensor x, at::Tensor weight);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
+void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
+at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                        at::Tensor seq_lens, int64_t k_blocks, double scale);
 
 }  // namespace kvforge

@@ -1,0 +1,159 @@
+// QUEST sparse decode straight from the paged cache (attention/quest.py is the reference):
+//
+//   cache [2, num_blocks, B + 1, KVH, D]: slots 0..B-1 hold K / V, slot B holds the block's
+//   key min (plane 0) and key max (plane 1) per KV head.
+//
+// Per (sequence s, KV head h), with its group's queries q_g:
+//   bound[b] = sum_d max over the sign of (sum_g q_g)[d] of kmin[b][d], kmax[b][d]
+//            = (sum_g max(q_g, 0)) . kmax[b] + (sum_g min(q_g, 0)) . kmin[b]
+//   chosen   = the current (last, partial) block + the k - 1 other blocks with the largest bound
+//   out[g]   = softmax attention of q_g over the chosen blocks' keys (order does not matter,
+//              so the current block goes last and only it is partial)
+#include "kernels.h"
+
+namespace kvforge {
+
+at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                        at::Tensor seq_lens, int64_t k_blocks, double scale) {
+  check_fp32_cpu(q, "q");
+  check_fp32_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+              "kv_cache must be contiguous [2, num_blocks, B + 1, kv_heads, dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && block_tables.size(0) == q.size(0) &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == q.size(0),
+              "block_tables [n, m] / seq_lens [n] int64");
+  TORCH_CHECK(k_blocks >= 1, "k_blocks must be >= 1");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) - 1;
+  const int64_t kv_heads = kv_cache.size(3), group = heads / kv_heads;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t s = 0; s < n; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block, "seq_len exceeds its block table");
+    for (int64_t b = 0; b < (lens[s] + block - 1) / block; ++b)
+      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
+                  "block id out of range");
+  }
+  const float* cache = kv_cache.data_ptr<float>();
+  const int64_t block_stride = (block + 1) * kv_heads * dim, token_stride = kv_heads * dim;
+  const int64_t plane = num_blocks * block_stride;
+  auto out = at::empty({n, heads, dim}, q.options());
+  float* op = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> q_pos(dim), q_neg(dim), bounds, scores;
+    std::vector<int64_t> order, table;
+    Partial part;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads, len = lens[s];
+      const int64_t nb = (len + block - 1) / block;
+      const int64_t* row = tables + s * max_blocks;
+      const float* qs = qp + s * q.stride(0) + h * group * q.stride(1);
+      table.clear();
+      if (nb <= k_blocks) {
+        table.assign(row, row + nb);                 // every block: dense over this sequence
+      } else {
+        std::fill(q_pos.begin(), q_pos.end(), 0.f);
+        std::fill(q_neg.begin(), q_neg.end(), 0.f);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d) {
+            const float v = qs[g * q.stride(1) + d];
+            (v > 0 ? q_pos : q_neg)[d] += v;
+          }
+        bounds.resize(nb - 1);
+        for (int64_t b = 0; b + 1 < nb; ++b) {
+          if (b + 16 + 1 < nb) {    // bound rows sit in random blocks: fetch 16 blocks ahead
+            const float* next = cache + row[b + 16] * block_stride + block * token_stride + h * dim;
+            for (int64_t d = 0; d < dim; d += 16) {
+              __builtin_prefetch(next + d);
+              __builtin_prefetch(next + plane + d);
+            }
+          }
+          const float* kmin = cache + row[b] * block_stride + block * token_stride + h * dim;
+          const float* kmax = kmin + plane;
+          bounds[b] = dot(q_pos.data(), kmax, dim) + dot(q_neg.data(), kmin, dim);
+        }
+        order.resize(nb - 1);
+        for (int64_t b = 0; b + 1 < nb; ++b) order[b] = b;
+        std::nth_element(order.begin(), order.begin() + (k_blocks - 1), order.end(),
+                         [&](int64_t a, int64_t b) { return bounds[a] > bounds[b]; });
+        for (int64_t i = 0; i < k_blocks - 1; ++i) table.push_back(row[order[i]]);
+        table.push_back(row[nb - 1]);                // the current block, last: only it is partial
+      }
+      const int64_t keys_read = (static_cast<int64_t>(table.size()) - 1) * block + (len - (nb - 1) * block);
+      const PagedKV keys{cache + h * dim, block_stride, token_stride, dim, block, dim};
+      const PagedKV values{cache + plane + h * dim, block_stride, token_stride, dim, block, dim};
+      attend_chunk(qs, q.stride(1), keys, values, table.data(), 0, keys_read, group, 1,
+                   static_cast<float>(scale), part, scores);
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (s * heads + h * group + g) * dim;
+        const float inv = 1.f / part.sum[g];
+        for (int64_t d = 0; d < dim; ++d) o[d] = part.acc[g * dim + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+// The step's K/V into their slots, then each written block's key min/max recomputed over
+// slots 0 .. the last one written (attention/quest.py write_kv_and_bounds: exact under block
+// reuse, chunked prefill and speculative rollback).   slot = block * B + offset
+void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping) {
+  check_fp32_cpu(kv_cache, "kv_cache");
+  check_fp32_cpu(k, "k");
+  check_fp32_cpu(v, "v");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, B + 1, kv_heads, dim]");
+  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) - 1;
+  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), row = kv_heads * dim;
+  const int64_t tokens = slot_mapping.numel();
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == tokens && v.size(0) == tokens &&
+                  k.size(1) == kv_heads && v.size(1) == kv_heads && k.size(2) == dim &&
+                  v.size(2) == dim && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.stride(1) == dim && v.stride(1) == dim,
+              "k / v must be [tokens, kv_heads, dim] with contiguous heads");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block, "slot out of range");
+  float* cache = kv_cache.data_ptr<float>();
+  const int64_t block_stride = (block + 1) * row, plane = num_blocks * block_stride;
+  // (block, last offset written) per touched block
+  std::vector<std::pair<int64_t, int64_t>> touched;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t b = slots[t] / block, off = slots[t] % block;
+    std::copy(k.data_ptr<float>() + t * k.stride(0), k.data_ptr<float>() + t * k.stride(0) + row,
+              cache + b * block_stride + off * row);
+    std::copy(v.data_ptr<float>() + t * v.stride(0), v.data_ptr<float>() + t * v.stride(0) + row,
+              cache + plane + b * block_stride + off * row);
+    touched.emplace_back(b, off);
+  }
+  std::sort(touched.begin(), touched.end());
+  std::vector<std::pair<int64_t, int64_t>> last;
+  for (const auto& bo : touched) {
+    if (!last.empty() && last.back().first == bo.first) last.back().second = bo.second;
+    else last.push_back(bo);
+  }
+  at::parallel_for(0, static_cast<int64_t>(last.size()), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* keys = cache + last[i].first * block_stride;
+      float* kmin = cache + last[i].first * block_stride + block * row;
+      float* kmax = kmin + plane;
+      std::copy(keys, keys + row, kmin);
+      std::copy(keys, keys + row, kmax);
+      for (int64_t o = 1; o <= last[i].second; ++o)
+        for (int64_t c = 0; c < row; ++c) {
+          kmin[c] = std::min(kmin[c], keys[o * row + c]);
+          kmax[c] = std::max(kmax[c], keys[o * row + c]);
+        }
+    }
+  });
+}
+
+}  // namespace kvforge
