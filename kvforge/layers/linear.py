@@ -27,7 +27,9 @@ cache-resident; ms per call; noisy shared machine, so read ratios not absolutes)
 
 A transposed copy ([in, out]) wins only at M = 1 and loses 2x at M = 2..8, so we keep one
 [out, in] copy: M = 1 duplicates the row and uses the M = 2 GEMM (reads W once either way),
-M <= SMALL_M_MAX uses ``W @ x^T``, larger batches ``F.linear``.
+M = 4..8 takes the compiled few-row kernel when it is built (kernels/ops.py; faster than MKL
+there, measured in kernels/csrc/kernels.h), other M <= SMALL_M_MAX ``W @ x^T``, larger
+batches ``F.linear``.
 """
 from __future__ import annotations
 
@@ -90,21 +92,18 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x):
         x2d = x.reshape(-1, layer.input_size)
         rows = x2d.shape[0]
+        if rows > self.SMALL_M_MAX or rows == 0:
+            return torch.nn.functional.linear(x2d, layer.weight, layer.bias).view(
+                *x.shape[:-1], layer.output_size)
         y = (kernel_ops.linear_small_m(x2d, layer.weight)
              if kernel_ops.SMALL_M_MIN <= rows <= kernel_ops.SMALL_M_MAX else None)
-        if y is not None:
-            if layer.bias is not None:
-                y += layer.bias
-        elif rows > self.SMALL_M_MAX or rows == 0:
-            y = torch.nn.functional.linear(x2d, layer.weight, layer.bias)
-        else:
-            if rows == 1:
-                # [x; x]: the 2-column GEMM streams W ~1.7x faster than MKL's gemv does
-                y = torch.mm(layer.weight, x2d.expand(2, -1).contiguous().t())[:, 0].contiguous()[None]
-            else:
-                y = torch.mm(layer.weight, x2d.t()).t().contiguous()
-            if layer.bias is not None:
-                y += layer.bias
+        if y is None and rows == 1:
+            # [x; x]: the 2-column GEMM streams W ~1.7x faster than MKL's gemv does
+            y = torch.mm(layer.weight, x2d.expand(2, -1).contiguous().t())[:, 0].contiguous()[None]
+        elif y is None:
+            y = torch.mm(layer.weight, x2d.t()).t().contiguous()
+        if layer.bias is not None:
+            y += layer.bias
         return y.view(*x.shape[:-1], layer.output_size)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.kernels import ops as kernel_ops
@@ -25,17 +24,10 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: the normed ``x``. With it: ``(norm(x + residual), x + residual)``,
         the pre-norm decoder pattern in one call, so each layer does the residual add once."""
-        if x.dtype is torch.float32:
-            # one fused pass (compiled kernel on CPU; same math in PyTorch otherwise)
-            y, total = kernel_ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return y if residual is None else (y, total)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        orig_dtype = x.dtype
-        # fp32 statistics even for half-precision activations, like the reference models
-        y = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(orig_dtype) * self.weight
-        return y if residual is None else (y, residual)
+        # one fused pass: the compiled kernel for fp32 on CPU, otherwise the same math in
+        # PyTorch with fp32 statistics even for half-precision activations (kernels/ops.py)
+        y, total = kernel_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return y if residual is None else (y, total)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
