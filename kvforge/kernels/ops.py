@@ -78,15 +78,17 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
-# rows the compiled few-row kernel is used for (csrc: kSmallMMin..kSmallMMax; MKL is faster
-# below, measured in csrc/kernels.h)
-SMALL_M_MIN, SMALL_M_MAX = 4, 8
+# rows the compiled linear kernel is used for (csrc/kernels.h: kLinearRowsMin..kLinearRowsMax);
+# MKL (W @ x^T) is as fast for 1-2 rows, F.linear faster for longer prefill chunks
+LINEAR_ROWS_MIN, LINEAR_ROWS_MAX = 3, 256
 
 
-def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x [M, K] @ weight[N, K]^T`` for M <= SMALL_M_MAX by the compiled kernel (weight read
-    once for all rows); None when it does not apply (caller uses MKL)."""
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x [M, K] @ weight[N, K]^T`` by the compiled register-tiled kernel for
+    LINEAR_ROWS_MIN <= M <= LINEAR_ROWS_MAX; None when it does not apply (caller uses MKL)."""
+    if not LINEAR_ROWS_MIN <= x.shape[0] <= LINEAR_ROWS_MAX:
+        return None
     ops = _kernel_for(x, weight)
     if ops is None or x.stride(1) != 1 or not weight.is_contiguous():
         return None
-    return ops.linear_small_m(x, weight)
+    return ops.linear_rows(x, weight)

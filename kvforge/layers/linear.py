@@ -9,27 +9,19 @@ output shards, each loaded from its own Hugging Face tensor:
     load_shard(1, k_proj.weight)  copies into rows               ^^^^^^^^ offset = q
 
 The plain method keeps HF's [out, in] layout (so a tied LM head shares the embedding tensor) and
-picks the MKL call by the number of rows M, because torch's default ``F.linear`` is a slow
-matrix-vector product at M = 1. Measured on this box (EPYC, fp32, 1 thread, weights not
-cache-resident; ms per call; noisy shared machine, so read ratios not absolutes):
+picks the kernel by the number of rows M (``benchmarks/linear_kernel.py``, all 120 projections
+of SmolLM2-135M, 2 threads, idle box, ms):
 
-                         LM head 576x49152      gate_up 576x3072     down 1536x576
-    M=1  F.linear               9.8                  0.60                 0.25
-    M=1  x @ W_t ([in,out])     4.8                  0.33                 0.29   (needs 2nd layout)
-    M=1  (W @ [x;x]^T)[:, 0]    5.9 (est.)           0.42 (rel.)          0.23 (rel.)
-    M=2  F.linear              23.3                  1.08                 0.42
-    M=2  (W @ x^T)^T            5.8                  0.35                 0.21
-    M=4  F.linear              17.2                  0.79                 0.52
-    M=4  (W @ x^T)^T            9.0                  0.47                 0.86
-    M=16..128: ``(W @ x^T)^T`` (transposed back with a copy) measured 5-30% above F.linear on an
-    idle box (2 threads); the whole-model decode step at batch 32 went 142 -> 123 ms, batch 64
-    222 -> 214 ms. From M = 256 F.linear wins (prefill chunks).
+    M        1     2     3     4     8     16    32    64    128   256   384   512
+    F.linear 34.8  58.9  67.5  45.8  40.7  48.6  68.8  100.6 171.2 386.9 438.7 572.1
+    W @ x^T  16.1  14.9  20.5  22.3  34.5  45.5  65.5  101.2 175.5 373.8 474.6 658.1
+    kvforge  16.3  15.9  16.2  18.1  20.8  30.5  50.0  87.1  161.8 324.8 487.6 688.7
 
-A transposed copy ([in, out]) wins only at M = 1 and loses 2x at M = 2..8, so we keep one
-[out, in] copy: M = 1 duplicates the row and uses the M = 2 GEMM (reads W once either way),
-M = 4..8 takes the compiled few-row kernel when it is built (kernels/ops.py; faster than MKL
-there, measured in kernels/csrc/kernels.h), other M <= SMALL_M_MAX ``W @ x^T``, larger
-batches ``F.linear``.
+torch's default ``F.linear`` is a slow matrix-vector product at small M; MKL is fastest as
+``W @ x^T`` for M = 1 (the row duplicated: the 2-column GEMM reads W once) and M = 2; the
+compiled register-tiled kernel (kernels/csrc/linear.cpp) for 3..256 rows (decode batches,
+speculative verification, short prefill chunks); F.linear (MKL with packing) for longer chunks.
+Without the compiled kernels, ``W @ x^T`` up to 128 rows and F.linear beyond.
 """
 from __future__ import annotations
 
@@ -64,7 +56,7 @@ class LinearMethod(ABC):
 class UnquantizedLinearMethod(LinearMethod):
     """Dense float ``weight`` [out, in] (HF layout); the GEMM form is picked by batch rows."""
 
-    SMALL_M_MAX = 128  # up to here ``W @ x^T`` beats F.linear (see the module docstring)
+    W_FIRST_MAX = 128  # without the compiled kernel, ``W @ x^T`` beats F.linear up to here
 
     def create_weights(self, layer, dtype, device):
         layer.weight = nn.Parameter(
@@ -92,16 +84,16 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x):
         x2d = x.reshape(-1, layer.input_size)
         rows = x2d.shape[0]
-        if rows > self.SMALL_M_MAX or rows == 0:
-            return torch.nn.functional.linear(x2d, layer.weight, layer.bias).view(
-                *x.shape[:-1], layer.output_size)
-        y = (kernel_ops.linear_small_m(x2d, layer.weight)
-             if kernel_ops.SMALL_M_MIN <= rows <= kernel_ops.SMALL_M_MAX else None)
-        if y is None and rows == 1:
-            # [x; x]: the 2-column GEMM streams W ~1.7x faster than MKL's gemv does
-            y = torch.mm(layer.weight, x2d.expand(2, -1).contiguous().t())[:, 0].contiguous()[None]
-        elif y is None:
-            y = torch.mm(layer.weight, x2d.t()).t().contiguous()
+        y = kernel_ops.linear_rows(x2d, layer.weight)
+        if y is None:
+            if rows == 1:
+                # [x; x]: the 2-column GEMM streams W ~2x faster than MKL's gemv does
+                y = torch.mm(layer.weight, x2d.expand(2, -1).contiguous().t())[:, 0].contiguous()[None]
+            elif 1 < rows <= self.W_FIRST_MAX:
+                y = torch.mm(layer.weight, x2d.t()).t().contiguous()
+            else:
+                return torch.nn.functional.linear(x2d, layer.weight, layer.bias).view(
+                    *x.shape[:-1], layer.output_size)
         if layer.bias is not None:
             y += layer.bias
         return y.view(*x.shape[:-1], layer.output_size)

@@ -64,23 +64,45 @@ def test_rotary_matches_rotate_half(compiled, tokens):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", list(range(1, ops.SMALL_M_MAX + 1)))
-@pytest.mark.parametrize("shape", [(960, 576), (577, 1539)])     # 1539: a tail past 16 lanes
-def test_linear_small_m(compiled, rows, shape):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 35, 64])
+@pytest.mark.parametrize("shape", [(960, 576), (577, 1539), (5, 24)])   # tails: rows, tiles, lanes
+def test_linear_rows(compiled, rows, shape):
     out_features, in_features = shape
     w = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
-    y = compiled.linear_small_m(x, w)
+    y = compiled.linear_rows(x, w)
     ref = (x.double() @ w.double().t()).float()
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernels
-def test_linear_small_m_rejects_bad_input(compiled):
-    with pytest.raises(RuntimeError, match="1..8 rows"):
-        compiled.linear_small_m(torch.randn(9, 16), torch.randn(4, 16))
+def test_linear_rows_strided_rows_and_long_k(compiled):
+    """Rows of x with a stride (a slice of a wider buffer) and K past the kernel's K block."""
+    w = torch.randn(37, 4100)
+    wide = torch.randn(10, 5000)
+    x = wide[:, 7:4107]
+    y = compiled.linear_rows(x, w)
+    torch.testing.assert_close(y, (x.double() @ w.double().t()).float(), rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
+def test_linear_rows_rejects_bad_input(compiled):
+    with pytest.raises(RuntimeError, match="at least one row"):
+        compiled.linear_rows(torch.randn(0, 16), torch.randn(4, 16))
     with pytest.raises(RuntimeError, match="shape"):
-        compiled.linear_small_m(torch.randn(2, 16), torch.randn(4, 15))
+        compiled.linear_rows(torch.randn(2, 16), torch.randn(4, 15))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        compiled.linear_rows(torch.randn(16, 2).t(), torch.randn(4, 16))
+
+
+@needs_kernels
+def test_linear_rows_dispatch_range(compiled):
+    """ops.linear_rows takes LINEAR_ROWS_MIN..LINEAR_ROWS_MAX rows, the layer path MKL beyond."""
+    w = torch.randn(8, 16)
+    assert ops.linear_rows(torch.randn(ops.LINEAR_ROWS_MIN - 1, 16), w) is None
+    assert ops.linear_rows(torch.randn(ops.LINEAR_ROWS_MAX + 1, 16), w) is None
+    x = torch.randn(ops.LINEAR_ROWS_MIN, 16)
+    torch.testing.assert_close(ops.linear_rows(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
@@ -112,7 +134,7 @@ def test_fallback_when_disabled(monkeypatch):
     y, total = ops.add_rms_norm(x, None, w, 1e-6)
     torch.testing.assert_close(y, F.rms_norm(x, (8,), w, 1e-6))
     assert total is x
-    assert ops.linear_small_m(x, torch.randn(3, 8)) is None
+    assert ops.linear_rows(torch.randn(4, 8), torch.randn(3, 8)) is None
     gu = torch.randn(3, 10)
     torch.testing.assert_close(ops.silu_and_mul(gu), F.silu(gu[:, :5]) * gu[:, 5:])
 

@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &kvforge::add_rms_norm, "residual add + RMSNorm (fp32)", release_gil());
   m.def("silu_and_mul", &kvforge::silu_and_mul, "SwiGLU activation (fp32)", release_gil());
   m.def("rotary_neox", &kvforge::rotary_neox, "NeoX rotary embedding (fp32)", release_gil());
-  m.def("linear_small_m", &kvforge::linear_small_m, "x @ W^T for 1..8 rows (fp32)", release_gil());
+  m.def("linear_rows", &kvforge::linear_rows_op, "x @ W^T, register-tiled (fp32)",
+        release_gil());
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32)", release_gil());
   m.def("quest_decode", &kvforge::quest_decode,

@@ -49,13 +49,13 @@ struct Projection {
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
-    // the same choices as layers/linear.py (measured there): MKL's 2-column GEMM for 1 row,
-    // (W @ x^T)^T up to 3 and from 9 rows, our linear_rows for 4..8
+    // the same choices as layers/linear.py: MKL's 2-column GEMM for 1 row, linear_rows for
+    // kLinearRowsMin..kLinearRowsMax, (W @ x^T)^T for 2 rows and beyond
     at::Tensor y;
     const int64_t rows = x.size(0);
     if (rows == 1) {
       y = at::mm(weight, x.expand({2, -1}).contiguous().t()).select(1, 0).unsqueeze(0).contiguous();
-    } else if (rows >= kSmallMMin && rows <= kSmallMMax) {
+    } else if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
                   rows, x.size(1), weight.size(0));

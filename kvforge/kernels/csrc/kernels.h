@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace kvforge {
@@ -115,12 +116,11 @@ void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float
                  int64_t cs, const float* sin, int64_t ss, int64_t rows, int64_t heads,
                  int64_t dim);
 
-// y [rows, out] = x [rows, in] @ w[out, in]^T for 1 <= rows <= kSmallMMax. Measured against
-// MKL on SmolLM2's weights (2 threads, ms for all 121 projections): 1 row 26.5 vs 23.5,
-// 2 rows 27.3 vs 21.9, 3 rows 32.6 vs 31.3, 5 rows 25.3 vs 44.6, 8 rows 33.5 vs 45.9 -- so
-// callers use it from kSmallMMin rows (speculative verification, small decode batches).
-constexpr int64_t kSmallMMin = 4;
-constexpr int64_t kSmallMMax = 8;
+// y [rows, out] = x [rows, in] @ w[out, in]^T for 1 <= rows <= kLinearRowsMax (linear.cpp).
+// Callers use it for kLinearRowsMin..kLinearRowsMax rows: MKL (W @ x^T) is as fast for 1-2
+// rows, and F.linear wins on long prefill chunks (measured: benchmarks/linear_kernel.py).
+constexpr int64_t kLinearRowsMin = 3;
+constexpr int64_t kLinearRowsMax = 256;
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out);
 
@@ -140,7 +140,7 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
                                      at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor rotary_neox(at::Tensor x, at::Tensor cos, at::Tensor sin);
-at::Tensor linear_small_m(at::Tensor x, at::Tensor weight);
+at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);

@@ -1,0 +1,97 @@
+"""fp32 projections of one SmolLM2-135M decoder stack: kvforge's tiled kernel vs MKL, by rows M.
+
+    .venv/bin/python benchmarks/linear_kernel.py [--threads 2] [--rows 1 2 4 8 16 32 64 128 256]
+
+Per M, the time of all 120 decoder projections (30 layers x q|k|v 576->960, o 576->576,
+gate|up 576->3072, down 1536->576; random weights, the kernels' speed does not depend on values)
+for: ``F.linear`` (x W^T), ``(W @ x^T)^T`` (MKL with the weight as the left operand; for M = 1
+the row duplicated: the 2-column GEMM that reads W once), and the compiled ``linear_rows``
+kernel (kvforge/kernels/csrc/linear.cpp). Methods run round-robin in the same process, best of
+``--rounds``; GB/s = weight bytes / time, GFLOP/s = 2 M params / time. These runs set
+``LINEAR_ROWS_MIN``/``LINEAR_ROWS_MAX`` in kvforge/kernels/ops.py. Ends with one
+``SUMMARY linear_kernel:`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import setup_threads
+from benchmarks.hardware import hardware_line
+from benchmarks.report import format_table
+
+LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # (in, out)
+NUM_LAYERS = 30
+
+
+def _best(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 32, 64,
+                                                            128, 256])
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    threads = setup_threads(args.threads)
+    from kvforge.kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        sys.exit("the compiled kernels are not available here (see the log); nothing to compare")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=g) * 0.05
+               for inp, out in LAYER_SHAPES for _ in range(NUM_LAYERS)]
+    weight_bytes = sum(w.numel() * 4 for w in weights)
+    params = sum(w.numel() for w in weights)
+
+    def methods(xs):
+        def linear():
+            return [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
+
+        def w_first():
+            if next(iter(xs.values())).shape[0] == 1:
+                return [torch.mm(w, xs[w.shape[1]].expand(2, -1).contiguous().t())[:, 0]
+                        for w in weights]
+            return [torch.mm(w, xs[w.shape[1]].t()).t().contiguous() for w in weights]
+
+        def kernel():
+            return [kernels.linear_rows(xs[w.shape[1]], w) for w in weights]
+        return {"F.linear": linear, "(W @ x^T)^T": w_first, "kvforge": kernel}
+
+    rows, summary = [], []
+    for m in args.rows:
+        xs = {inp: torch.randn(m, inp, generator=g) for inp, _ in LAYER_SHAPES}
+        fns = methods(xs)
+        times = {name: float("inf") for name in fns}
+        for _ in range(args.rounds):                # round-robin: load hits every method alike
+            for name, fn in fns.items():
+                times[name] = min(times[name], _best(fn, 1))
+        mkl = min(times["F.linear"], times["(W @ x^T)^T"])
+        ours = times["kvforge"]
+        rows.append([m] + [f"{times[n] * 1e3:.1f}" for n in fns]
+                    + [f"{weight_bytes / ours / 1e9:.1f}", f"{2 * params * m / ours / 1e9:.0f}",
+                       f"{mkl / ours:.2f}x"])
+        summary.append(f"M={m} {mkl / ours:.2f}x")
+    print(format_table(["M", "F.linear ms", "(W@x^T)^T ms", "kvforge ms", "kvforge GB/s",
+                        "kvforge GFLOP/s", "best MKL / kvforge"], rows))
+    print(hardware_line() + f" | threads {threads}")
+    print("SUMMARY linear_kernel: speed-up vs the faster MKL form: " + ", ".join(summary))
+
+
+if __name__ == "__main__":
+    main()
