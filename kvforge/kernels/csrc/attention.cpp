@@ -77,6 +77,28 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
   }
 }
 
+// out[h] = sum_c e^(m_c - M) acc_c[h] / sum_c e^(m_c - M) l_c[h] over num_parts partials
+void merge_partials(const Partial* parts, int64_t num_parts, int64_t heads, int64_t dim_v,
+                    float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < num_parts; ++t) mx = std::max(mx, parts[t].max[h]);
+    float* o = out + h * dim_v;
+    std::fill(o, o + dim_v, 0.f);
+    float total = 0.f;
+    for (int64_t t = 0; t < num_parts; ++t) {
+      const float w = std::exp(parts[t].max[h] - mx);
+      total += w * parts[t].sum[h];
+      const float* a = parts[t].acc.data() + h * dim_v;
+#pragma omp simd
+      for (int64_t d = 0; d < dim_v; ++d) o[d] += w * a[d];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t d = 0; d < dim_v; ++d) o[d] *= inv;
+  }
+}
+
 }  // namespace
 
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
@@ -102,27 +124,11 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
                    scores);
     }
   });
-  // merge chunk partials: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+  // merge chunk partials per sequence (flash-decoding)
   at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      for (int64_t h = 0; h < heads; ++h) {
-        float mx = -INFINITY;
-        for (int64_t t = first_task[s]; t < first_task[s + 1]; ++t) mx = std::max(mx, parts[t].max[h]);
-        float* o = out + (s * heads + h) * dim_v;
-        std::fill(o, o + dim_v, 0.f);
-        float total = 0.f;
-        for (int64_t t = first_task[s]; t < first_task[s + 1]; ++t) {
-          const float w = std::exp(parts[t].max[h] - mx);
-          total += w * parts[t].sum[h];
-          const float* a = parts[t].acc.data() + h * dim_v;
-#pragma omp simd
-          for (int64_t d = 0; d < dim_v; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t d = 0; d < dim_v; ++d) o[d] *= inv;
-      }
-    }
+    for (int64_t s = s0; s < s1; ++s)
+      merge_partials(parts.data() + first_task[s], first_task[s + 1] - first_task[s], heads,
+                     dim_v, out + s * heads * dim_v);
   });
 }
 

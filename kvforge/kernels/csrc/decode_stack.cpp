@@ -50,7 +50,7 @@ struct Projection {
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
     // the same choices as layers/linear.py: MKL's 2-column GEMM for 1 row, linear_rows for
-    // kLinearRowsMin..kLinearRowsMax, (W @ x^T)^T for 2 rows and beyond
+    // kLinearRowsMin..kLinearRowsMax, (W @ x^T)^T for 2 rows, x @ W^T beyond the kernel
     at::Tensor y;
     const int64_t rows = x.size(0);
     if (rows == 1) {
@@ -59,8 +59,10 @@ struct Projection {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
                   rows, x.size(1), weight.size(0));
-    } else {
+    } else if (rows < kLinearRowsMin) {
       y = at::mm(weight, x.t()).t().contiguous();
+    } else {
+      y = at::linear(x, weight);                  // long query runs: MKL's packed GEMM
     }
     if (bias.defined()) y.add_(bias);
     return y;

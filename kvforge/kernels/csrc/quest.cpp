@@ -45,56 +45,118 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   auto out = at::empty({n, heads, dim}, q.options());
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> q_pos(dim), q_neg(dim), bounds, scores;
-    std::vector<int64_t> order, table;
-    Partial part;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads, len = lens[s];
-      const int64_t nb = (len + block - 1) / block;
-      const int64_t* row = tables + s * max_blocks;
-      const float* qs = qp + s * q.stride(0) + h * group * q.stride(1);
-      table.clear();
-      if (nb <= k_blocks) {
-        table.assign(row, row + nb);                 // every block: dense over this sequence
-      } else {
-        std::fill(q_pos.begin(), q_pos.end(), 0.f);
-        std::fill(q_neg.begin(), q_neg.end(), 0.f);
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < dim; ++d) {
-            const float v = qs[g * q.stride(1) + d];
-            (v > 0 ? q_pos : q_neg)[d] += v;
-          }
-        bounds.resize(nb - 1);
-        for (int64_t b = 0; b + 1 < nb; ++b) {
-          if (b + 16 + 1 < nb) {    // bound rows sit in random blocks: fetch 16 blocks ahead
-            const float* next = cache + row[b + 16] * block_stride + block * token_stride + h * dim;
-            for (int64_t d = 0; d < dim; d += 16) {
-              __builtin_prefetch(next + d);
-              __builtin_prefetch(next + plane + d);
-            }
-          }
-          const float* kmin = cache + row[b] * block_stride + block * token_stride + h * dim;
-          const float* kmax = kmin + plane;
-          bounds[b] = dot(q_pos.data(), kmax, dim) + dot(q_neg.data(), kmin, dim);
+  const int64_t heads_stride = q.stride(1);
+
+  // Three parallel phases, each split finely enough to keep every thread busy at batch 1:
+  //   1. bounds   tasks (s, 64 blocks): one bounds row holds every KV head's min/max, so a
+  //               sequence's scattered bounds rows are read once for all heads
+  //   2. top-k    tasks (s, h): the chosen blocks' physical ids -> chosen[(s, h)]
+  //   3. attend   tasks (s, h, 16 chosen blocks): partial softmaxes, merged per (s, h) as in
+  //               decode attention (flash-decoding)
+  std::vector<int64_t> num_logical(n);
+  std::vector<char> sparse(n);
+  for (int64_t s = 0; s < n; ++s) {
+    num_logical[s] = (lens[s] + block - 1) / block;
+    sparse[s] = num_logical[s] > k_blocks;
+  }
+  // the group's positive / negative query sums per (s, h): bound = q_pos . kmax + q_neg . kmin
+  std::vector<float> q_pos(n * kv_heads * dim, 0.f), q_neg(n * kv_heads * dim, 0.f);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d) {
+          const float v = qp[s * q.stride(0) + (h * group + g) * heads_stride + d];
+          ((v > 0 ? q_pos : q_neg)[(s * kv_heads + h) * dim + d]) += v;
         }
-        order.resize(nb - 1);
-        for (int64_t b = 0; b + 1 < nb; ++b) order[b] = b;
-        std::nth_element(order.begin(), order.begin() + (k_blocks - 1), order.end(),
-                         [&](int64_t a, int64_t b) { return bounds[a] > bounds[b]; });
-        for (int64_t i = 0; i < k_blocks - 1; ++i) table.push_back(row[order[i]]);
-        table.push_back(row[nb - 1]);                // the current block, last: only it is partial
+
+  // ---- 1. bounds of every block but the current one: bounds[bound_base[s] + h * (nb - 1) + b]
+  constexpr int64_t kBoundBlocks = 64;
+  std::vector<int64_t> bound_base(n + 1, 0), bound_task(n + 1, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t others = sparse[s] ? num_logical[s] - 1 : 0;
+    bound_base[s + 1] = bound_base[s] + kv_heads * others;
+    bound_task[s + 1] = bound_task[s] + (others + kBoundBlocks - 1) / kBoundBlocks;
+  }
+  std::vector<float> bounds(bound_base[n]);
+  at::parallel_for(0, bound_task[n], 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s =
+          std::upper_bound(bound_task.begin(), bound_task.end(), t) - bound_task.begin() - 1;
+      const int64_t others = num_logical[s] - 1;
+      const int64_t b0 = (t - bound_task[s]) * kBoundBlocks;
+      const int64_t b1 = std::min(others, b0 + kBoundBlocks);
+      const int64_t* row = tables + s * max_blocks;
+      for (int64_t b = b0; b < b1; ++b) {
+        if (b + 8 < b1) {        // bounds rows sit in random blocks: fetch 8 blocks ahead
+          const float* next = cache + row[b + 8] * block_stride + block * token_stride;
+          for (int64_t c = 0; c < token_stride; c += 16) {
+            __builtin_prefetch(next + c);
+            __builtin_prefetch(next + plane + c);
+          }
+        }
+        const float* kmin = cache + row[b] * block_stride + block * token_stride;
+        const float* kmax = kmin + plane;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t qi = (s * kv_heads + h) * dim;
+          bounds[bound_base[s] + h * others + b] =
+              dot(q_pos.data() + qi, kmax + h * dim, dim) + dot(q_neg.data() + qi, kmin + h * dim, dim);
+        }
       }
-      const int64_t keys_read = (static_cast<int64_t>(table.size()) - 1) * block + (len - (nb - 1) * block);
+    }
+  });
+
+  // ---- 2. chosen physical blocks per (s, h); the current block last (only it is partial)
+  std::vector<int64_t> chosen(n * kv_heads * k_blocks), num_chosen(n * kv_heads);
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> order;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads, nb = num_logical[s];
+      const int64_t* row = tables + s * max_blocks;
+      int64_t* dst = chosen.data() + item * k_blocks;
+      if (!sparse[s]) {                            // every block: dense over this sequence
+        std::copy(row, row + nb, dst);
+        num_chosen[item] = nb;
+        continue;
+      }
+      const float* bs = bounds.data() + bound_base[s] + h * (nb - 1);
+      order.resize(nb - 1);
+      for (int64_t b = 0; b + 1 < nb; ++b) order[b] = b;
+      std::nth_element(order.begin(), order.begin() + (k_blocks - 1), order.end(),
+                       [&](int64_t a, int64_t b) { return bs[a] > bs[b]; });
+      for (int64_t i = 0; i < k_blocks - 1; ++i) dst[i] = row[order[i]];
+      dst[k_blocks - 1] = row[nb - 1];
+      num_chosen[item] = k_blocks;
+    }
+  });
+
+  // ---- 3. attention over the chosen keys, kChunk keys per task, then the merge
+  std::vector<int64_t> first_task(n * kv_heads + 1, 0), keys_read(n * kv_heads);
+  for (int64_t item = 0; item < n * kv_heads; ++item) {
+    const int64_t s = item / kv_heads;
+    keys_read[item] = (num_chosen[item] - 1) * block + (lens[s] - (num_logical[s] - 1) * block);
+    first_task[item + 1] = first_task[item] + (keys_read[item] + kChunk - 1) / kChunk;
+  }
+  std::vector<Partial> parts(first_task[n * kv_heads]);
+  at::parallel_for(0, first_task[n * kv_heads], 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t item =
+          std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t j0 = (t - first_task[item]) * kChunk;
+      const int64_t j1 = std::min(keys_read[item], j0 + kChunk);
       const PagedKV keys{cache + h * dim, block_stride, token_stride, dim, block, dim};
       const PagedKV values{cache + plane + h * dim, block_stride, token_stride, dim, block, dim};
-      attend_chunk(qs, q.stride(1), keys, values, table.data(), 0, keys_read, group, 1,
-                   static_cast<float>(scale), part, scores);
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (s * heads + h * group + g) * dim;
-        const float inv = 1.f / part.sum[g];
-        for (int64_t d = 0; d < dim; ++d) o[d] = part.acc[g * dim + d] * inv;
-      }
+      attend_chunk(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, keys, values,
+                   chosen.data() + item * k_blocks, j0, j1, group, 1, static_cast<float>(scale),
+                   parts[t], scores);
+    }
+  });
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      merge_partials(parts.data() + first_task[item], first_task[item + 1] - first_task[item],
+                     group, dim, op + (s * heads + h * group) * dim);
     }
   });
   return out;
