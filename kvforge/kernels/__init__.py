@@ -1,5 +1,6 @@
 """Optional compiled CPU kernels (``csrc/``) for the decode step: fused RMSNorm, SwiGLU, rotary,
-a few-row GEMV, paged decode attention, and ``DecodeStack`` (a whole Llama decode step).
+a register-tiled linear kernel, paged decode attention, QUEST sparse decode, and ``DecodeStack``
+(a whole Llama decode step).
 
 ``cpu_kernels()`` builds the extension on first use with ``torch.utils.cpp_extension`` (g++ and
 ninja; ~1 minute once, then cached under ``~/.cache/kvforge/kernels``) and returns the module,
