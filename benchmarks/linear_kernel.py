@@ -31,15 +31,6 @@ LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # (in, out)
 NUM_LAYERS = 30
 
 
-def _best(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,9 +69,13 @@ def main(argv=None) -> None:
         xs = {inp: torch.randn(m, inp, generator=g) for inp, _ in LAYER_SHAPES}
         fns = methods(xs)
         times = {name: float("inf") for name in fns}
+        for fn in fns.values():
+            fn()                                    # warm-up: first-call allocations
         for _ in range(args.rounds):                # round-robin: load hits every method alike
             for name, fn in fns.items():
-                times[name] = min(times[name], _best(fn, 1))
+                start = time.perf_counter()
+                fn()
+                times[name] = min(times[name], time.perf_counter() - start)
         mkl = min(times["F.linear"], times["(W @ x^T)^T"])
         ours = times["kvforge"]
         rows.append([m] + [f"{times[n] * 1e3:.1f}" for n in fns]
