@@ -116,7 +116,7 @@ void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float
                  int64_t cs, const float* sin, int64_t ss, int64_t rows, int64_t heads,
                  int64_t dim);
 
-// y [rows, out] = x [rows, in] @ w[out, in]^T for 1 <= rows <= kLinearRowsMax (linear.cpp).
+// y [rows, out] = x [rows, in] @ w[out, in]^T for any rows >= 1 (linear.cpp, register tiles).
 // Callers use it for kLinearRowsMin..kLinearRowsMax rows: MKL (W @ x^T) is as fast for 1-2
 // rows, and F.linear wins on long prefill chunks (measured: benchmarks/linear_kernel.py).
 constexpr int64_t kLinearRowsMin = 3;
