@@ -10,8 +10,8 @@
 //   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
 //   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
 //
-// Weights are the model's own tensors (no copies). fp32 GEMMs of 4..8 rows use linear_rows
-// (weights streamed once), others MKL like the Python path; a quantized
+// Weights are the model's own tensors (no copies). fp32 GEMMs of kLinearRowsMin..kLinearRowsMax
+// rows use linear_rows (register tiles), others MKL like the Python path; a quantized
 // projection is called back as its Python module (its own int8/int4 kernel), and everything
 // between the projections still runs here.
 #include "kernels.h"
