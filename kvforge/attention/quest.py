@@ -12,12 +12,20 @@ the bounds per KV head, whatever the group size. Decode attends only over the ``
 largest bound (the sequence's current, last block always among them); prefill chunks and the
 first ``dense_layers`` layers stay dense, as in the paper.
 
-Cache layout: ``kv_cache_shape`` adds one row after each block's ``block_size`` slots::
+Cache layout: ``kv_cache_shape`` is head-major, with one bounds row per KV head after the
+slots of each block::
 
-    kv_cache  [2, num_blocks, block_size + 1, num_kv_heads, head_size]
-               |              slots 0..B-1: K (plane 0) and V (plane 1), as in ``paged``
-               |              row B:        key min (plane 0) and key max (plane 1)
-    block b:  [ k0 k1 ... k(B-1) | kmin ]     [ v0 v1 ... v(B-1) | kmax ]
+    kv_cache  [2, num_blocks, num_kv_heads * block_size + num_kv_heads, head_size]
+    block b, plane 0:  [ head 0: k0 .. k(B-1) | head 1: k0 .. k(B-1) | ... | kmin h0 h1 .. ]
+             plane 1:  [ head 0: v0 .. v(B-1) | head 1: v0 .. v(B-1) | ... | kmax h0 h1 .. ]
+    row of (KV head h, slot o) = h * B + o;   row of head h's bound = KVH * B + h
+
+Head-major because a sparse decode reads the chosen blocks of ONE KV head: each is a contiguous
+B x D run (4 KiB for SmolLM2) that streams like a dense read, where the token-major paged
+layout gives D-float pieces a whole token row apart. The bounds of all heads sit together, so
+the bound pass reads one KVH x D run per block and plane. ``kv_slots`` views the slots in the
+paged backend's [2, num_blocks, B, KVH, D] order (strided), so dense decode and prefill reuse
+``paged``; ``key_bounds`` views the min/max rows.
 
 Keeping the bounds inside the layer's one tensor means copy-on-write block copies (the runner
 copies ``cache[:, dst] = cache[:, src]``) carry them along, and nothing else has to be
@@ -63,18 +71,32 @@ def _block_writes(meta: AttentionMetadata) -> _BlockWrites:
     return cached
 
 
+def kv_slots(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The K/V slots of a QUEST cache in the paged order [2, num_blocks, B, KVH, D] (a view)."""
+    two, num_blocks, rows, dim = kv_cache.shape
+    size = rows // num_kv_heads - 1
+    return kv_cache[:, :, :num_kv_heads * size].view(two, num_blocks, num_kv_heads, size,
+                                                      dim).transpose(2, 3)
+
+
+def key_bounds(kv_cache: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's key (min, max), each [num_blocks, KVH, D] (views)."""
+    return kv_cache[0, :, -num_kv_heads:], kv_cache[1, :, -num_kv_heads:]
+
+
 def write_kv_and_bounds(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta: AttentionMetadata) -> None:
     """Write the step's K/V into their slots, then recompute the key min/max row of every block
     written (over its filled slots only)."""
-    size = meta.block_size
     w = _block_writes(meta)
-    kv_cache[0].index_put_((w.blocks, w.offsets), k.to(kv_cache.dtype))
-    kv_cache[1].index_put_((w.blocks, w.offsets), v.to(kv_cache.dtype))
-    keys = kv_cache[0, w.touched, :size]                                  # [U, B, KVH, D]
+    slots = kv_slots(kv_cache, k.shape[1])
+    slots[0].index_put_((w.blocks, w.offsets), k.to(kv_cache.dtype))
+    slots[1].index_put_((w.blocks, w.offsets), v.to(kv_cache.dtype))
+    keys = slots[0, w.touched]                                            # [U, B, KVH, D]
     empty = ~w.filled[:, :, None, None]
-    kv_cache[0, w.touched, size] = keys.masked_fill(empty, float("inf")).amin(dim=1)
-    kv_cache[1, w.touched, size] = keys.masked_fill(empty, float("-inf")).amax(dim=1)
+    key_min, key_max = key_bounds(kv_cache, k.shape[1])
+    key_min[w.touched] = keys.masked_fill(empty, float("inf")).amin(dim=1)
+    key_max[w.touched] = keys.masked_fill(empty, float("-inf")).amax(dim=1)
 
 
 def block_bounds(queries: torch.Tensor, key_min: torch.Tensor,
@@ -123,7 +145,7 @@ class QuestAttentionBackend(PagedAttentionBackend):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.head_size_v != self.head_size:
             raise NotImplementedError("quest needs equal K and V head sizes")
-        return (2, num_blocks, block_size + 1, self.num_kv_heads, self.head_size)
+        return (2, num_blocks, self.num_kv_heads * (block_size + 1), self.head_size)
 
     @property
     def is_sparse_layer(self) -> bool:
@@ -132,10 +154,11 @@ class QuestAttentionBackend(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         size = meta.block_size
-        if kv_cache.dim() != 5 or kv_cache.shape[2] != size + 1:
+        if kv_cache.dim() != 4 or kv_cache.shape[2:] != (self.num_kv_heads * (size + 1),
+                                                          self.head_size):
             raise ValueError(f"quest kv_cache shape {tuple(kv_cache.shape)}, expected "
-                             f"[2, num_blocks, {size + 1}, {self.num_kv_heads}, {self.head_size}]")
-        slots = kv_cache[:, :, :size]          # the K/V slots: the paged layout (a strided view)
+                             f"[2, num_blocks, {self.num_kv_heads * (size + 1)}, {self.head_size}]")
+        slots = kv_slots(kv_cache, self.num_kv_heads)           # the K/V slots in the paged order (a strided view)
         self._check_inputs(q, k, v, slots, meta)
         ops = kernel_ops.cpu_kernels()
         if (ops is not None and kv_cache.dtype == torch.float32 and k.dtype == torch.float32
@@ -168,7 +191,7 @@ class QuestAttentionBackend(PagedAttentionBackend):
             return False
         k_sel = max(1, self.token_budget // meta.block_size)
         out[:n] = ops.quest_decode(q[:n], kv_cache, meta.block_tables[:n].contiguous(),
-                                   meta.seq_lens[:n], k_sel, self.scale)
+                                   meta.seq_lens[:n], k_sel, self.scale, self.num_kv_heads)
         return True
 
     def _sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -181,21 +204,23 @@ class QuestAttentionBackend(PagedAttentionBackend):
         k_sel = min(max(1, self.token_budget // size), max_blocks)
         table = meta.block_tables[:n, :max_blocks]                           # [n, M]
         queries = q[:n].view(n, kvh, group, self.head_size)
-        # one layer's cache as rows: block b's bounds row is b * (B + 1) + B, slot o of KV head h
-        # is row (b * (B + 1) + o) * KVH + h of the [.., D] view; plain index_selects gather them
-        planes = kv_cache.view(2, -1, kvh * self.head_size)                  # [2, NB*(B+1), KVH*D]
-        bound_rows = (table * (size + 1) + size).reshape(-1)
-        key_min = planes[0].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
-        key_max = planes[1].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
+        # one layer's cache as rows of D floats (see the layout above):
+        #   row of (block b, KV head h, slot o) = b * KVH * (B + 1) + h * B + o
+        #   row of block b's bound for head h   = b * KVH * (B + 1) + KVH * B + h
+        rows_of = kv_cache.view(2, -1, self.head_size)                      # [2, rows, D]
+        rows_per_block = kvh * (size + 1)
+        heads = torch.arange(kvh, device=q.device)
+        bound_rows = (table[..., None] * rows_per_block + kvh * size + heads).reshape(-1)
+        key_min = rows_of[0].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
+        key_max = rows_of[1].index_select(0, bound_rows).view(n, max_blocks, kvh, -1)
         chosen = select_blocks(block_bounds(queries, key_min, key_max), num_blocks, k_sel)
         #   chosen [n, KVH, k] logical -> physical block -> rows [n, KVH, k, B] -> [n, KVH, k*B, D]
         block_ids = table.gather(1, chosen.reshape(n, -1)).view(n, kvh, k_sel)
-        heads = torch.arange(kvh, device=q.device)[None, :, None, None]
         offsets = torch.arange(size, device=q.device)
-        rows = ((block_ids[..., None] * (size + 1) + offsets) * kvh + heads).reshape(-1)
-        slots = kv_cache.view(2, -1, self.head_size)                         # [2, rows, D]
-        keys = slots[0].index_select(0, rows).view(n, kvh, k_sel * size, -1)
-        values = slots[1].index_select(0, rows).view(n, kvh, k_sel * size, -1)
+        rows = ((block_ids * rows_per_block + heads[None, :, None] * size)[..., None]
+                + offsets).reshape(-1)
+        keys = rows_of[0].index_select(0, rows).view(n, kvh, k_sel * size, -1)
+        values = rows_of[1].index_select(0, rows).view(n, kvh, k_sel * size, -1)
         # logical position of each gathered slot; past the sequence's end (its partial last
         # block, or padding columns of a short sequence) is masked
         pos = (chosen[..., None] * size + offsets).view(n, kvh, -1)

@@ -7,7 +7,8 @@ import torch
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import PagedAttentionBackend
-from kvforge.attention.quest import QuestAttentionBackend, block_bounds, select_blocks
+from kvforge.attention.quest import (QuestAttentionBackend, block_bounds, key_bounds, kv_slots,
+                                    select_blocks)
 from tests.attention.paged_cases import PagedCase, make_case
 
 DT = torch.float64
@@ -22,10 +23,15 @@ def quest_backend(case: PagedCase, budget: int) -> QuestAttentionBackend:
 
 
 def noisy_quest_cache(case: PagedCase, seed: int = 1) -> torch.Tensor:
-    """[2, NB, B + 1, KVH, D] filled with loud noise, bounds rows included (stale values)."""
+    """[2, NB, KVH * (B + 1), D] filled with loud noise, bounds rows included (stale values)."""
     gen = torch.Generator().manual_seed(seed)
     _, nb, size, kvh, d = case.kv_cache.shape
-    return 100 * torch.randn(2, nb, size + 1, kvh, d, generator=gen, dtype=DT)
+    return 100 * torch.randn(2, nb, kvh * (size + 1), d, generator=gen, dtype=DT)
+
+
+def assert_bounds(cache: torch.Tensor, block: int, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    key_min, key_max = key_bounds(cache, lo.shape[0])
+    assert torch.equal(key_min[block], lo) and torch.equal(key_max[block], hi), block
 
 
 def prefill_contexts(backend, cache, case: PagedCase, chunk: int) -> None:
@@ -100,12 +106,12 @@ def test_bounds_exact_after_chunked_prefill_and_appends(chunk):
     prefill_contexts(backend, cache, case, chunk)
     for s, ctx in enumerate(case.context_lens):
         for block, (lo, hi) in expected_bounds(case, s, ctx).items():
-            assert torch.equal(cache[0, block, 4], lo) and torch.equal(cache[1, block, 4], hi)
+            assert_bounds(cache, block, lo, hi)
     # one decode step appends a token to each sequence; bounds follow it
     backend.forward(case.q, case.k_new, case.v_new, cache, case.meta())
     for s, ctx in enumerate(case.context_lens):
         for block, (lo, hi) in expected_bounds(case, s, ctx + 1).items():
-            assert torch.equal(cache[0, block, 4], lo) and torch.equal(cache[1, block, 4], hi)
+            assert_bounds(cache, block, lo, hi)
 
 
 def test_bounds_restart_when_a_freed_block_is_reused():
@@ -115,17 +121,15 @@ def test_bounds_restart_when_a_freed_block_is_reused():
     size, kvh, d = 4, 3, 16
     gen = torch.Generator().manual_seed(5)
     backend = QuestAttentionBackend(9, kvh, d, d ** -0.5)
-    cache = torch.zeros(2, 6, size + 1, kvh, d, dtype=DT)
+    cache = torch.zeros(backend.kv_cache_shape(6, size), dtype=DT)
     old_k = 50 * torch.randn(10, kvh, d, generator=gen, dtype=DT)
     meta = AttentionMetadata.build([10], [0], [[2, 4, 5]], size)
     backend.forward(torch.randn(10, 9, d, dtype=DT), old_k, old_k.clone(), cache, meta)
     new_k = torch.randn(6, kvh, d, generator=gen, dtype=DT)
     meta = AttentionMetadata.build([6], [0], [[5, 2]], size)
     backend.forward(torch.randn(6, 9, d, dtype=DT), new_k, new_k.clone(), cache, meta)
-    assert torch.equal(cache[0, 5, size], new_k[:4].amin(0))
-    assert torch.equal(cache[1, 5, size], new_k[:4].amax(0))
-    assert torch.equal(cache[0, 2, size], new_k[4:6].amin(0))   # old slots 2, 3 excluded
-    assert torch.equal(cache[1, 2, size], new_k[4:6].amax(0))
+    assert_bounds(cache, 5, new_k[:4].amin(0), new_k[:4].amax(0))
+    assert_bounds(cache, 2, new_k[4:6].amin(0), new_k[4:6].amax(0))    # old slots 2, 3 excluded
 
 
 def test_block_copy_carries_bounds():
@@ -141,7 +145,7 @@ def test_block_copy_carries_bounds():
     meta = AttentionMetadata.build([1], [7], [table], 4)
     backend.forward(case.q, case.k_new, case.v_new, cache, meta)
     keys = case.k_full[0][4:8]
-    assert torch.equal(cache[0, dst, 4], keys.amin(0)) and torch.equal(cache[1, dst, 4], keys.amax(0))
+    assert_bounds(cache, dst, keys.amin(0), keys.amax(0))
 
 
 # ------------------------------------------------------------------ selection
@@ -159,7 +163,8 @@ def test_selection_equals_brute_force(heads):
     max_blocks = -(-max(meta.seq_lens_list) // size)
     table = meta.block_tables[:, :max_blocks]
     queries = case.q.view(n, num_kv_heads, num_heads // num_kv_heads, -1)
-    bounds = block_bounds(queries, cache[0][table, size], cache[1][table, size])
+    key_min, key_max = key_bounds(cache, num_kv_heads)
+    bounds = block_bounds(queries, key_min[table], key_max[table])
     chosen = select_blocks(bounds, (meta.seq_lens + size - 1) // size, 4)
     for s in range(n):
         seq_len = meta.seq_lens_list[s]
@@ -195,7 +200,7 @@ def test_budget_covering_context_equals_paged_exactly():
     quest = quest_backend(case, budget=24)
     cache = noisy_quest_cache(case)
     prefill_contexts(quest, cache, case, chunk=6)
-    paged_cache = cache[:, :, :4].contiguous()
+    paged_cache = kv_slots(cache, 3).contiguous()
     out = quest.forward(case.q, case.k_new, case.v_new, cache, case.meta())
     paged = PagedAttentionBackend(9, 3, 16, case.scale)
     expected = paged.forward(case.q, case.k_new, case.v_new, paged_cache, case.meta())
@@ -226,5 +231,4 @@ def test_bounds_in_a_bfloat16_cache_are_the_rounded_keys_extremes():
     prefill_contexts(backend, cache, case, chunk=5)
     for j, block in enumerate(case.block_tables[0][:3]):          # 11 tokens: 3 blocks
         keys = case.k_full[0][j * 4:min(11, j * 4 + 4)].to(torch.bfloat16)
-        assert torch.equal(cache[0, block, 4], keys.amin(0))
-        assert torch.equal(cache[1, block, 4], keys.amax(0))
+        assert_bounds(cache, block, keys.amin(0), keys.amax(0))

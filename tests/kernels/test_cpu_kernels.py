@@ -283,7 +283,7 @@ def test_quest_write_matches_write_kv_and_bounds(compiled):
     from kvforge.attention.quest import write_kv_and_bounds
     g = torch.Generator().manual_seed(0)
     kv_heads, dim, block, num_blocks = 2, 16, 4, 12
-    ours = torch.randn(2, num_blocks, block + 1, kv_heads, dim, generator=g)  # stale garbage
+    ours = torch.randn(2, num_blocks, kv_heads * (block + 1), dim, generator=g)  # stale garbage
     ref = ours.clone()
     steps = [([6, 3], [0, 0], [[0, 1], [5]]),          # prefill chunks of two sequences
              ([1, 1], [6, 3], [[0, 1], [5]]),          # decodes

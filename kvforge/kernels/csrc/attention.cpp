@@ -24,6 +24,16 @@ struct Partial {        // softmax state of one (query, chunk) for every head
   std::vector<float> max, sum, acc;   // [H], [H], [H * Dv]
 };
 
+// Every row of one block that a task reads: kv_heads runs of dim floats per slot (adjacent in
+// the token-major paged layout, B x dim runs apart in QUEST's head-major one).
+inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv_heads) {
+  const float* base = plane.data + block_id * plane.block_stride;
+  for (int64_t t = 0; t < plane.block_size; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t d = 0; d < plane.dim; d += 16)
+        __builtin_prefetch(base + t * plane.token_stride + h * plane.head_stride + d);
+}
+
 void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
                   const PagedKV& values, const int64_t* table, int64_t j0, int64_t j1,
                   int64_t heads, int64_t kv_heads, float scale, Partial& part,
@@ -34,12 +44,8 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
   scores.resize(static_cast<size_t>(heads * len));
   //   scores[h * len + (j - j0)] = scale * q[h] . K[j, h / group]
   for (int64_t j = j0; j < j1; ++j) {
-    if (j % block == 0 && j + block < j1) {     // next block's key rows (blocks are scattered)
-      const float* next = keys.data + table[j / block + 1] * keys.block_stride;
-      for (int64_t t = 0; t < block; ++t)
-        for (int64_t d = 0; d < keys.head_stride * (heads / group); d += 16)
-          __builtin_prefetch(next + t * keys.token_stride + d);
-    }
+    if (j % block == 0 && j + block < j1)       // next block's key rows (blocks are scattered)
+      prefetch_block(keys, table[j / block + 1], kv_heads);
     const float* row = keys.data + table[j / block] * keys.block_stride + (j % block) * keys.token_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float* key = row + (h / group) * keys.head_stride;
@@ -66,6 +72,7 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
     part.sum[h] = exp_shift_sum(sc, len, mx);
   }
   for (int64_t j = j0; j < j1; ++j) {
+    if (j % block == 0 && j + block < j1) prefetch_block(values, table[j / block + 1], kv_heads);
     const float* row = values.data + table[j / block] * values.block_stride + (j % block) * values.token_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float p = scores[h * len + (j - j0)];

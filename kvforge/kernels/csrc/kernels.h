@@ -145,6 +145,6 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                        at::Tensor seq_lens, int64_t k_blocks, double scale);
+                        at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads);
 
 }  // namespace kvforge

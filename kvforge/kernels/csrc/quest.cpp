@@ -1,7 +1,13 @@
 // QUEST sparse decode straight from the paged cache (attention/quest.py is the reference):
 //
-//   cache [2, num_blocks, B + 1, KVH, D]: slots 0..B-1 hold K / V, slot B holds the block's
-//   key min (plane 0) and key max (plane 1) per KV head.
+//   cache [2, num_blocks, KVH * B + KVH, D] (head-major): per block, KVH contiguous runs of B K
+//   (plane 0) / V (plane 1) rows, then one key min (plane 0) / key max (plane 1) row per head:
+//
+//     float offset of (plane p, block b, head h, slot o) = p * plane + b * block_stride
+//                                                        + h * head_stride + o * D
+//     ... of head h's bound row                          = p * plane + b * block_stride
+//                                                        + bounds_offset + h * D
+//     head_stride = B * D,  bounds_offset = KVH * head_stride,  block_stride = bounds_offset + KVH * D
 //
 // Per (sequence s, KV head h), with its group's queries q_g:
 //   bound[b] = sum_d max over the sign of (sum_g q_g)[d] of kmin[b][d], kmax[b][d]
@@ -13,14 +19,116 @@
 
 namespace kvforge {
 
+namespace {
+
+// 16 vectors -> one vector of their 16 horizontal sums (lane t = sum of v[t]), by a halving
+// tree: each level adds the two halves of pairs of vectors, interleaving the pairs,
+//   level 1: [v0 | v1] halves of 8 lanes, level 2: 4 keys x 4 lanes, 3: 8 x 2, 4: 16 x 1
+// (45 vector ops for 16 dot products, where 16 separate horizontal sums take ~130).
+inline vec16 transpose_sum16(const vec16* v) {
+  vec16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// Softmax attention of one KV head's `group` queries over a list of whole blocks in QUEST's
+// head-major cache, where a block's keys (values) of this head are `len` contiguous rows of
+// `dim` floats:   K row t of block b = keys + b * block_stride + t * dim   (values likewise)
+// Block by block with an online softmax (running max m, sum l, accumulator rescaled by
+// e^(m_old - m_new) when the max grows), so a block's K and V runs are read back to back and
+// the next block's runs are prefetched while this one is computed. Only the list's last block
+// may be partial (last_len rows).
+void attend_runs(const float* q, int64_t q_head_stride, int64_t group, int64_t dim,
+                 const float* keys, const float* values, int64_t block_stride, int64_t block,
+                 const int64_t* blocks, int64_t num_blocks, int64_t last_len, float scale,
+                 Partial& part, std::vector<float>& scores) {
+  part.max.assign(group, -INFINITY);
+  part.sum.assign(group, 0.f);
+  part.acc.assign(group * dim, 0.f);
+  scores.resize(static_cast<size_t>(block));
+  const bool lanes = dim % 16 == 0;
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    if (i + 1 < num_blocks) {
+      const float* nk = keys + blocks[i + 1] * block_stride;
+      const float* nv = values + blocks[i + 1] * block_stride;
+      for (int64_t c = 0; c < block * dim; c += 16) {
+        __builtin_prefetch(nk + c);
+        __builtin_prefetch(nv + c);
+      }
+    }
+    const float* k = keys + blocks[i] * block_stride;
+    const float* v = values + blocks[i] * block_stride;
+    const int64_t len = i + 1 == num_blocks ? last_len : block;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * q_head_stride;
+      float* sc = scores.data();
+      if (lanes && len == 16) {            // 16 dot products, one transposed reduction
+        vec16 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = load16(qg) * load16(k + t * dim);
+        for (int64_t d = 16; d < dim; d += 16) {
+          const vec16 qd = load16(qg + d);
+          for (int t = 0; t < 16; ++t) acc[t] += qd * load16(k + t * dim + d);
+        }
+        const vec16 s16 = transpose_sum16(acc) * scale;
+        __builtin_memcpy(sc, &s16, sizeof s16);
+      } else {
+        for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qg, k + t * dim, dim);
+      }
+      float mx = part.max[g];
+      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
+      float* a = part.acc.data() + g * dim;
+      if (mx > part.max[g]) {              // rescale what was accumulated under the old max
+        const float corr = std::exp(part.max[g] - mx);
+        part.sum[g] *= corr;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
+        part.max[g] = mx;
+      }
+      part.sum[g] += exp_shift_sum(sc, len, mx);
+      if (lanes) {                         // accumulate in registers across the block's rows
+        for (int64_t d = 0; d < dim; d += 16) {
+          vec16 ad = load16(a + d);
+          for (int64_t t = 0; t < len; ++t) ad += sc[t] * load16(v + t * dim + d);
+          __builtin_memcpy(a + d, &ad, sizeof ad);
+        }
+      } else {
+        for (int64_t t = 0; t < len; ++t)
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += sc[t] * v[t * dim + d];
+      }
+    }
+  }
+}
+
+}  // namespace
+
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                        at::Tensor seq_lens, int64_t k_blocks, double scale) {
+                        at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads) {
   check_fp32_cpu(q, "q");
   check_fp32_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, dim]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
-              "kv_cache must be contiguous [2, num_blocks, B + 1, kv_heads, dim]");
+  TORCH_CHECK(kv_heads >= 1 && q.size(1) % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) == q.size(2) && kv_cache.size(2) % kv_heads == 0 &&
+                  kv_cache.size(2) / kv_heads >= 2,
+              "kv_cache must be contiguous [2, num_blocks, kv_heads * (B + 1), dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
                   block_tables.is_contiguous() && block_tables.size(0) == q.size(0) &&
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
@@ -28,8 +136,8 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
               "block_tables [n, m] / seq_lens [n] int64");
   TORCH_CHECK(k_blocks >= 1, "k_blocks must be >= 1");
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) - 1;
-  const int64_t kv_heads = kv_cache.size(3), group = heads / kv_heads;
+  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) / kv_heads - 1;
+  const int64_t group = heads / kv_heads;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
@@ -40,16 +148,15 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
                   "block id out of range");
   }
   const float* cache = kv_cache.data_ptr<float>();
-  const int64_t block_stride = (block + 1) * kv_heads * dim, token_stride = kv_heads * dim;
-  const int64_t plane = num_blocks * block_stride;
+  const int64_t head_stride = block * dim, bounds_offset = kv_heads * head_stride;
+  const int64_t block_stride = bounds_offset + kv_heads * dim, plane = num_blocks * block_stride;
   auto out = at::empty({n, heads, dim}, q.options());
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const int64_t heads_stride = q.stride(1);
 
   // Three parallel phases, each split finely enough to keep every thread busy at batch 1:
-  //   1. bounds   tasks (s, 64 blocks): one bounds row holds every KV head's min/max, so a
-  //               sequence's scattered bounds rows are read once for all heads
+  //   1. bounds   tasks (s, 64 blocks): a block's min/max rows of every KV head, one run per plane
   //   2. top-k    tasks (s, h): the chosen blocks' physical ids -> chosen[(s, h)]
   //   3. attend   tasks (s, h, 16 chosen blocks): partial softmaxes, merged per (s, h) as in
   //               decode attention (flash-decoding)
@@ -88,13 +195,13 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
       const int64_t* row = tables + s * max_blocks;
       for (int64_t b = b0; b < b1; ++b) {
         if (b + 8 < b1) {        // bounds rows sit in random blocks: fetch 8 blocks ahead
-          const float* next = cache + row[b + 8] * block_stride + block * token_stride;
-          for (int64_t c = 0; c < token_stride; c += 16) {
+          const float* next = cache + row[b + 8] * block_stride + bounds_offset;
+          for (int64_t c = 0; c < kv_heads * dim; c += 16) {
             __builtin_prefetch(next + c);
             __builtin_prefetch(next + plane + c);
           }
         }
-        const float* kmin = cache + row[b] * block_stride + block * token_stride;
+        const float* kmin = cache + row[b] * block_stride + bounds_offset;
         const float* kmax = kmin + plane;
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t qi = (s * kv_heads + h) * dim;
@@ -129,13 +236,12 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
     }
   });
 
-  // ---- 3. attention over the chosen keys, kChunk keys per task, then the merge
-  std::vector<int64_t> first_task(n * kv_heads + 1, 0), keys_read(n * kv_heads);
-  for (int64_t item = 0; item < n * kv_heads; ++item) {
-    const int64_t s = item / kv_heads;
-    keys_read[item] = (num_chosen[item] - 1) * block + (lens[s] - (num_logical[s] - 1) * block);
-    first_task[item + 1] = first_task[item] + (keys_read[item] + kChunk - 1) / kChunk;
-  }
+  // ---- 3. attention over the chosen blocks, kChunk / B blocks per task, then the merge
+  const int64_t blocks_per_task = std::max<int64_t>(1, kChunk / block);
+  std::vector<int64_t> first_task(n * kv_heads + 1, 0);
+  for (int64_t item = 0; item < n * kv_heads; ++item)
+    first_task[item + 1] =
+        first_task[item] + (num_chosen[item] + blocks_per_task - 1) / blocks_per_task;
   std::vector<Partial> parts(first_task[n * kv_heads]);
   at::parallel_for(0, first_task[n * kv_heads], 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
@@ -143,13 +249,15 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
       const int64_t item =
           std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
       const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t j0 = (t - first_task[item]) * kChunk;
-      const int64_t j1 = std::min(keys_read[item], j0 + kChunk);
-      const PagedKV keys{cache + h * dim, block_stride, token_stride, dim, block, dim};
-      const PagedKV values{cache + plane + h * dim, block_stride, token_stride, dim, block, dim};
-      attend_chunk(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, keys, values,
-                   chosen.data() + item * k_blocks, j0, j1, group, 1, static_cast<float>(scale),
-                   parts[t], scores);
+      const int64_t i0 = (t - first_task[item]) * blocks_per_task;
+      const int64_t i1 = std::min(num_chosen[item], i0 + blocks_per_task);
+      // the current block, last in the chosen list, holds lens[s] - (num_logical - 1) * B keys
+      const int64_t last_len =
+          i1 == num_chosen[item] ? lens[s] - (num_logical[s] - 1) * block : block;
+      attend_runs(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, group, dim,
+                  cache + h * head_stride, cache + plane + h * head_stride, block_stride, block,
+                  chosen.data() + item * k_blocks + i0, i1 - i0, last_len,
+                  static_cast<float>(scale), parts[t], scores);
     }
   });
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
@@ -169,10 +277,12 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
   check_fp32_cpu(kv_cache, "kv_cache");
   check_fp32_cpu(k, "k");
   check_fp32_cpu(v, "v");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, num_blocks, B + 1, kv_heads, dim]");
-  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) - 1;
-  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), row = kv_heads * dim;
+  const int64_t kv_heads = k.dim() == 3 ? k.size(1) : 0;
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_heads >= 1 && kv_cache.size(2) % kv_heads == 0 && kv_cache.size(2) / kv_heads >= 2,
+              "kv_cache must be contiguous [2, num_blocks, kv_heads * (B + 1), dim]");
+  const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) / kv_heads - 1;
+  const int64_t dim = kv_cache.size(3);
   const int64_t tokens = slot_mapping.numel();
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == tokens && v.size(0) == tokens &&
                   k.size(1) == kv_heads && v.size(1) == kv_heads && k.size(2) == dim &&
@@ -185,15 +295,19 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block, "slot out of range");
   float* cache = kv_cache.data_ptr<float>();
-  const int64_t block_stride = (block + 1) * row, plane = num_blocks * block_stride;
+  const int64_t head_stride = block * dim, bounds_offset = kv_heads * head_stride;
+  const int64_t block_stride = bounds_offset + kv_heads * dim, plane = num_blocks * block_stride;
   // (block, last offset written) per touched block
   std::vector<std::pair<int64_t, int64_t>> touched;
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t b = slots[t] / block, off = slots[t] % block;
-    std::copy(k.data_ptr<float>() + t * k.stride(0), k.data_ptr<float>() + t * k.stride(0) + row,
-              cache + b * block_stride + off * row);
-    std::copy(v.data_ptr<float>() + t * v.stride(0), v.data_ptr<float>() + t * v.stride(0) + row,
-              cache + plane + b * block_stride + off * row);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* kt = k.data_ptr<float>() + t * k.stride(0) + h * dim;
+      const float* vt = v.data_ptr<float>() + t * v.stride(0) + h * dim;
+      float* dst = cache + b * block_stride + h * head_stride + off * dim;
+      std::copy(kt, kt + dim, dst);
+      std::copy(vt, vt + dim, dst + plane);
+    }
     touched.emplace_back(b, off);
   }
   std::sort(touched.begin(), touched.end());
@@ -202,17 +316,19 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
     if (!last.empty() && last.back().first == bo.first) last.back().second = bo.second;
     else last.push_back(bo);
   }
-  at::parallel_for(0, static_cast<int64_t>(last.size()), 16, [&](int64_t i0, int64_t i1) {
+  // per (touched block, KV head): rows 0 .. last written of its contiguous run -> row B
+  at::parallel_for(0, static_cast<int64_t>(last.size()) * kv_heads, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* keys = cache + last[i].first * block_stride;
-      float* kmin = cache + last[i].first * block_stride + block * row;
+      const auto& [b, last_off] = last[i / kv_heads];
+      const float* keys = cache + b * block_stride + (i % kv_heads) * head_stride;
+      float* kmin = cache + b * block_stride + bounds_offset + (i % kv_heads) * dim;
       float* kmax = kmin + plane;
-      std::copy(keys, keys + row, kmin);
-      std::copy(keys, keys + row, kmax);
-      for (int64_t o = 1; o <= last[i].second; ++o)
-        for (int64_t c = 0; c < row; ++c) {
-          kmin[c] = std::min(kmin[c], keys[o * row + c]);
-          kmax[c] = std::max(kmax[c], keys[o * row + c]);
+      std::copy(keys, keys + dim, kmin);
+      std::copy(keys, keys + dim, kmax);
+      for (int64_t o = 1; o <= last_off; ++o)
+        for (int64_t c = 0; c < dim; ++c) {
+          kmin[c] = std::min(kmin[c], keys[o * dim + c]);
+          kmax[c] = std::max(kmax[c], keys[o * dim + c]);
         }
     }
   });
