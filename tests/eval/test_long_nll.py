@@ -68,3 +68,39 @@ def test_bad_arguments_raise(streaming):
         chunked_nll(model, ids, STREAMING, chunk=16, block_size=BLOCK, num_blocks=3)
     with pytest.raises(ValueError, match="no windowed attention backend"):
         set_window(torch.nn.Linear(2, 2), None)
+
+
+def test_decode_ranges_score_like_chunks(streaming):
+    # one-token decode steps over two ranges give the chunked prefill's NLL and top-1
+    llm, ids = streaming
+    model = llm.engine.runner.model
+    chunks = chunked_nll(model, ids[:80], None, chunk=16, block_size=BLOCK)
+    decodes = chunked_nll(model, ids[:80], None, chunk=16, block_size=BLOCK,
+                          decode_ranges=[(5, 21), (60, 79)])
+    torch.testing.assert_close(decodes.nll, chunks.nll, rtol=1e-4, atol=1e-4)
+    assert torch.equal(decodes.top1, chunks.top1)
+    assert 0 < int(chunks.top1.sum()) < len(chunks.top1)      # the model's own text: mostly hits
+    with pytest.raises(ValueError, match="decode range"):
+        chunked_nll(model, ids[:80], None, chunk=16, block_size=BLOCK, decode_ranges=[(70, 90)])
+
+
+@pytest.mark.slow
+def test_quest_changes_only_decode_positions(default_model_path):
+    # the real model on 600 tokens of The Tempest: QUEST at a 64-token budget changes the
+    # scores of the decode steps (and nothing before them); a budget covering the context
+    # scores exactly like dense
+    from kvforge.attention.quest import configure_quest
+    from kvforge.eval.corpus import load_corpus
+    llm = LLM(default_model_path, sparse_attention="quest", sparse_token_budget=10**6,
+              kv_cache_memory="64MiB", max_model_len=1024)
+    ids = llm.engine.tokenizer.encode(load_corpus("shakespeare"))[:600]
+    model = llm.engine.runner.model
+    ranges = [(570, 599)]
+    dense = chunked_nll(model, ids, None, chunk=256, decode_ranges=ranges)
+    configure_quest(model, token_budget=64, dense_layers=2)
+    sparse = chunked_nll(model, ids, None, chunk=256, decode_ranges=ranges)
+    configure_quest(model, token_budget=10**6, dense_layers=2)
+    full = chunked_nll(model, ids, None, chunk=256, decode_ranges=ranges)
+    assert torch.equal(sparse.nll[:570], dense.nll[:570])          # prefill chunks: dense
+    assert (sparse.nll[570:] - dense.nll[570:]).abs().max() > 1e-3  # 64 of ~590 tokens read
+    assert torch.equal(full.nll, dense.nll) and torch.equal(full.top1, dense.top1)
