@@ -79,8 +79,16 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 # rows the compiled linear kernel is used for (csrc/kernels.h: kLinearRowsMin..kLinearRowsMax);
-# MKL (W @ x^T) is as fast for 1-2 rows, F.linear faster for longer prefill chunks
-LINEAR_ROWS_MIN, LINEAR_ROWS_MAX = 3, 256
+# F.linear is faster for longer prefill chunks
+LINEAR_ROWS_MIN, LINEAR_ROWS_MAX = 1, 256
+
+
+def single_pass_rows(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Rows the compiled linear kernel multiplies in one pass over the weights (its few-rows
+    register tile: 8 with AVX-512, 4 with AVX2) for ``dtype`` weights on ``device``; None
+    where the kernel does not run."""
+    ops = cpu_kernels() if torch.device(device).type == "cpu" and dtype is _FP32 else None
+    return None if ops is None else int(ops.linear_few_rows_max)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

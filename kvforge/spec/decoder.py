@@ -12,10 +12,19 @@ Per step (LLMEngine.step):
                                whole blocks past the new length are freed (KVCacheManager.trim)
     record(sched, sampled)     stats + per-request acceptance history for the adaptive policy
 
-Adaptive policy: a request whose recent acceptance rate (exponential moving average) falls under
-``min_acceptance`` stops proposing for ``backoff`` steps (doubling each time, up to 64); and no
-request speculates while more than ``disable_batch_size`` requests decode, where the extra
-verification rows cost more than the saved steps.
+Adaptive policy, by what a proposal costs:
+
+* rows: on CPU a verification row is nearly free while the step's rows fit the linear kernel's
+  few-rows tile (one pass over the weights for all of them: 8 rows with AVX-512); past it every
+  row pays its own FLOPs. ``max_verify_rows`` caps decode rows + proposals per step and splits
+  what is left evenly: k = 7 at batch 1, 3 at batch 2, 1 at 3-4, none from 5 decodes on
+  (None: no cap, e.g. GPUs). No request speculates while more than ``disable_batch_size`` decode.
+* per request: a proposal rejected outright halves the request's next k (down to
+  ``min_proposal``); one accepted whole restores the full k.
+* pause: a request whose recent acceptance (exponential moving average) falls under
+  ``min_acceptance`` stops proposing for ``backoff`` steps (doubling each time, up to 64). Worth
+  it when proposing costs work of its own (a draft model's forwards); n-gram proposals cost only
+  the rows above, so the n-gram decoder sets it to 0.
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ class SpecStats:
 
 @dataclass
 class _History:
+    k: int                       # this request's proposal length now
     ema: float = 1.0
     skip_steps: int = 0
     backoff: int = 4
@@ -60,6 +70,8 @@ class SpecDecoder:
     max_len_per_request: int
     disable_batch_size: int = 32
     min_acceptance: float = 0.2
+    max_verify_rows: int | None = None
+    min_proposal: int = 2
     stats: SpecStats = field(default_factory=SpecStats)
     _history: dict[str, _History] = field(default_factory=dict)
 
@@ -67,10 +79,16 @@ class SpecDecoder:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got "
                              f"{self.num_speculative_tokens!r}")
+        if self.max_verify_rows is not None and self.max_verify_rows < 2:
+            raise ValueError(f"max_verify_rows must be >= 2 or None, got {self.max_verify_rows!r}")
 
     def before_schedule(self, running: list[Request]) -> None:
         decoding = [r for r in running if r.num_remaining_tokens == 1]
-        active = len(decoding) <= self.disable_batch_size
+        per_request = self.num_speculative_tokens
+        if self.max_verify_rows is not None and decoding:
+            per_request = min(per_request,
+                              (self.max_verify_rows - len(decoding)) // len(decoding))
+        active = len(decoding) <= self.disable_batch_size and per_request > 0
         live_ids = set()
         for req in running:
             req.spec_token_ids = []
@@ -78,11 +96,12 @@ class SpecDecoder:
             live_ids.add(req.request_id)
             if not active or not is_eligible(req):
                 continue
-            hist = self._history.setdefault(req.request_id, _History())
+            hist = self._history.setdefault(req.request_id,
+                                            _History(k=self.num_speculative_tokens))
             if hist.skip_steps > 0:
                 hist.skip_steps -= 1
                 continue
-            k = self._max_proposal(req)
+            k = min(hist.k, per_request, self._max_proposal(req))
             if k <= 0:
                 continue
             if self.token_proposer is None:
@@ -113,6 +132,10 @@ class SpecDecoder:
             hist = self._history.get(rid)
             if hist is None:
                 continue
+            if accepted == len(drafts):
+                hist.k = self.num_speculative_tokens
+            elif accepted == 0:
+                hist.k = max(min(self.min_proposal, self.num_speculative_tokens), hist.k // 2)
             hist.ema = (1 - _EMA) * hist.ema + _EMA * accepted / len(drafts)
             if hist.ema < self.min_acceptance:
                 hist.skip_steps = hist.backoff

@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from kvforge.kernels import ops as kernel_ops
 from kvforge.spec.decoder import SpecDecoder
 from kvforge.spec.draft import ModelDraftProposer
 from kvforge.spec.ngram import NgramProposer
@@ -20,9 +21,13 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
     method = config.speculative_method
     if method in (None, "", "none"):
         return None
+    # verification rows per step: what the CPU linear kernel takes in one pass over the weights
+    max_rows = kernel_ops.single_pass_rows(runner.device, runner.dtype)
     if method == "ngram":
+        # proposals cost only verification rows: shrink on rejection, never pause
         return SpecDecoder(config.num_speculative_tokens, NgramProposer(
-            config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request)
+            config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request,
+            min_acceptance=0.0, max_verify_rows=max_rows)
     target = runner.model
     if config.speculative_draft_model:
         runner.drafter = _load_draft_model(config, runner)
@@ -31,7 +36,8 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
         runner.drafter = ModelDraftProposer(SelfDraftModel(target, layers), runner.block_size,
                                             runner.device)
         logger.info("self-draft: first %d of %d layers", layers, target.num_layers)
-    return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request)
+    return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
+                       max_verify_rows=max_rows)
 
 
 def _load_draft_model(config, runner) -> ModelDraftProposer:

@@ -46,6 +46,7 @@ def test_ngram_rejection_sampling_matches_target_distribution(tiny_model_factory
     spec = llm.engine.spec
     spec.min_acceptance = 0.0
     spec.disable_batch_size = NUM_SAMPLES     # speculate in a batch of all samples
+    spec.max_verify_rows = None
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=NUM_OUT,
                              ignore_eos=True, seed=s) for s in range(NUM_SAMPLES)]
     outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)

@@ -34,52 +34,101 @@ inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv_he
         __builtin_prefetch(base + t * plane.token_stride + h * plane.head_stride + d);
 }
 
+// 16 vectors -> one vector of their 16 horizontal sums (lane t = sum of v[t]), by a halving
+// tree: each level adds the two halves of pairs of vectors, interleaving the pairs,
+//   level 1: [v0 | v1] halves of 8 lanes, level 2: 4 keys x 4 lanes, 3: 8 x 2, 4: 16 x 1
+// (45 vector ops for 16 dot products, where 16 separate horizontal sums take ~130).
+inline vec16 transpose_sum16(const vec16* v) {
+  vec16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// Softmax attention of one query token (all heads) over keys [j0, j1) of a paged sequence,
+// block by block with an online softmax: per head a running max m, sum l and accumulator acc,
+// rescaled by e^(m_old - m_new) when a block raises the max. Per block and KV head:
+//
+//   scores[t] = scale * q_h . K[t]       16 keys at once: 16 vector accumulators, one
+//                                        transposed reduction (transpose_sum16)
+//   acc_h    += sum_t e^(scores[t] - m) V[t]   one register per 16 dims, carried over the rows
+//
+// so a block's K and V rows are read back to back while the next block is prefetched.
 void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
                   const PagedKV& values, const int64_t* table, int64_t j0, int64_t j1,
                   int64_t heads, int64_t kv_heads, float scale, Partial& part,
                   std::vector<float>& scores) {
-  const int64_t group = heads / kv_heads, dim = keys.dim, dim_v = values.dim, len = j1 - j0;
+  const int64_t group = heads / kv_heads, dim = keys.dim, dim_v = values.dim;
   const int64_t block = keys.block_size;
-  const bool lanes = dim % 16 == 0;
-  scores.resize(static_cast<size_t>(heads * len));
-  //   scores[h * len + (j - j0)] = scale * q[h] . K[j, h / group]
-  for (int64_t j = j0; j < j1; ++j) {
-    if (j % block == 0 && j + block < j1)       // next block's key rows (blocks are scattered)
-      prefetch_block(keys, table[j / block + 1], kv_heads);
-    const float* row = keys.data + table[j / block] * keys.block_stride + (j % block) * keys.token_stride;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* key = row + (h / group) * keys.head_stride;
-      const float* qh = q + h * q_head_stride;
-      float score;
-      if (lanes) {        // whole 16-float vectors, one horizontal sum per key
-        vec16 acc = load16(qh) * load16(key);
-        for (int64_t d = 16; d < dim; d += 16) acc += load16(qh + d) * load16(key + d);
-        score = hsum(acc);
-      } else {
-        score = dot(qh, key, dim);
-      }
-      scores[h * len + (j - j0)] = scale * score;
-    }
-  }
+  const bool lanes = dim % 16 == 0 && dim_v % 16 == 0;
   part.max.assign(heads, -INFINITY);
   part.sum.assign(heads, 0.f);
   part.acc.assign(heads * dim_v, 0.f);
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sc = scores.data() + h * len;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sc[j]);
-    part.max[h] = mx;
-    part.sum[h] = exp_shift_sum(sc, len, mx);
-  }
-  for (int64_t j = j0; j < j1; ++j) {
-    if (j % block == 0 && j + block < j1) prefetch_block(values, table[j / block + 1], kv_heads);
-    const float* row = values.data + table[j / block] * values.block_stride + (j % block) * values.token_stride;
+  scores.resize(static_cast<size_t>(block));
+  for (int64_t b = j0 / block; b * block < j1; ++b) {
+    if ((b + 1) * block < j1) {                   // the next block (blocks are scattered)
+      prefetch_block(keys, table[b + 1], kv_heads);
+      prefetch_block(values, table[b + 1], kv_heads);
+    }
+    const int64_t t0 = std::max(j0, b * block) - b * block;
+    const int64_t len = std::min(j1, (b + 1) * block) - b * block - t0;
+    const float* kb = keys.data + table[b] * keys.block_stride + t0 * keys.token_stride;
+    const float* vb = values.data + table[b] * values.block_stride + t0 * values.token_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const float p = scores[h * len + (j - j0)];
-      const float* val = row + (h / group) * values.head_stride;
+      const float* key = kb + (h / group) * keys.head_stride;
+      const float* val = vb + (h / group) * values.head_stride;
+      const float* qh = q + h * q_head_stride;
+      float* sc = scores.data();
+      if (lanes && len == 16) {
+        vec16 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = load16(qh) * load16(key + t * keys.token_stride);
+        for (int64_t d = 16; d < dim; d += 16) {
+          const vec16 qd = load16(qh + d);
+          for (int t = 0; t < 16; ++t) acc[t] += qd * load16(key + t * keys.token_stride + d);
+        }
+        const vec16 s16 = transpose_sum16(acc) * scale;
+        __builtin_memcpy(sc, &s16, sizeof s16);
+      } else {
+        for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qh, key + t * keys.token_stride, dim);
+      }
+      float mx = part.max[h];
+      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
       float* a = part.acc.data() + h * dim_v;
+      if (mx > part.max[h]) {                     // rescale what the old max weighted
+        const float corr = std::exp(part.max[h] - mx);
+        part.sum[h] *= corr;
 #pragma omp simd
-      for (int64_t d = 0; d < dim_v; ++d) a[d] += p * val[d];
+        for (int64_t d = 0; d < dim_v; ++d) a[d] *= corr;
+        part.max[h] = mx;
+      }
+      part.sum[h] += exp_shift_sum(sc, len, mx);
+      if (lanes) {
+        for (int64_t d = 0; d < dim_v; d += 16) {
+          vec16 ad = load16(a + d);
+          for (int64_t t = 0; t < len; ++t) ad += sc[t] * load16(val + t * values.token_stride + d);
+          __builtin_memcpy(a + d, &ad, sizeof ad);
+        }
+      } else {
+        for (int64_t t = 0; t < len; ++t)
+#pragma omp simd
+          for (int64_t d = 0; d < dim_v; ++d) a[d] += sc[t] * val[t * values.token_stride + d];
+      }
     }
   }
 }

@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox", &kvforge::rotary_neox, "NeoX rotary embedding (fp32)", release_gil());
   m.def("linear_rows", &kvforge::linear_rows_op, "x @ W^T, register-tiled (fp32)",
         release_gil());
+  // rows linear_rows serves with one pass over W (one register tile of all rows): up to here
+  // extra rows cost little on top of reading the weights (spec/decoder.py's row budget)
+  m.attr("linear_few_rows_max") = kvforge::kFewRowsMax;
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32)", release_gil());
   m.def("quest_decode", &kvforge::quest_decode,

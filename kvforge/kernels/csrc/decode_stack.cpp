@@ -49,20 +49,16 @@ struct Projection {
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
-    // the same choices as layers/linear.py: MKL's 2-column GEMM for 1 row, linear_rows for
-    // kLinearRowsMin..kLinearRowsMax, (W @ x^T)^T for 2 rows, x @ W^T beyond the kernel
+    // the same choices as layers/linear.py: linear_rows up to kLinearRowsMax rows, x @ W^T
+    // (MKL's packed GEMM) for longer query runs
     at::Tensor y;
     const int64_t rows = x.size(0);
-    if (rows == 1) {
-      y = at::mm(weight, x.expand({2, -1}).contiguous().t()).select(1, 0).unsqueeze(0).contiguous();
-    } else if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
+    if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
                   rows, x.size(1), weight.size(0));
-    } else if (rows < kLinearRowsMin) {
-      y = at::mm(weight, x.t()).t().contiguous();
     } else {
-      y = at::linear(x, weight);                  // long query runs: MKL's packed GEMM
+      y = at::linear(x, weight);
     }
     if (bias.defined()) y.add_(bias);
     return y;

@@ -3,8 +3,8 @@
 namespace kvforge {
 // y [M, N] = x [M, K] @ W[N, K]^T: the projections of decode steps, speculative verification
 // and short prefill chunks (M = kLinearRowsMin .. kLinearRowsMax), where MKL runs at 40-100
-// GFLOP/s on these thin shapes (K = 576) and this kernel at 26 GB/s (few rows) to 165 GFLOP/s
-// (many rows; benchmarks/linear_kernel.py).
+// GFLOP/s on these thin shapes (K = 576) and this kernel at ~28 GB/s (1-8 rows: memory speed)
+// to 175 GFLOP/s (many rows; benchmarks/linear_kernel.py).
 //
 // Register tiles in dot-product form, because both x and W rows are contiguous along K:
 //
@@ -18,7 +18,10 @@ namespace kvforge {
 // M and a wide NR keeps several W streams in flight (memory-bound); more rows: 4 x 6 (AVX-512)
 // or 3 x 4 (AVX2) tiles, each W tile reused from L1 by every row tile (compute-bound).
 // Threads split N in contiguous tile ranges; the first row tile of each W tile prefetches the
-// next W tile.
+// W tile after next into L2, spread over its k steps. With few rows each tile is ~60% compute,
+// so a prefetch one tile ahead arrived late and the kernel alternated between computing and
+// waiting (7 rows: 19.4 ms for SmolLM2's 120 projections); two tiles ahead keeps memory busy
+// under the FMAs (15.0 ms, as fast as 1 row: verification rows ride along with the weights).
 namespace {
 
 #if defined(__AVX512F__)
@@ -50,7 +53,7 @@ inline float hsum_reg(vreg v) {
   return s[0] + s[1];
 }
 
-// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1]; prefetch: the next W tile or nullptr
+// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1]; prefetch: a W tile to fetch into L2 or nullptr
 template <int MR, int NR>
 void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t ws,
           float* __restrict y, int64_t ys, int64_t k0, int64_t k1, bool accumulate,
@@ -61,7 +64,7 @@ void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int6
   const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;
   for (int64_t k = k0; k < kv; k += kLanes) {
     if (prefetch) {
-      for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 0);
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
     }
     vreg xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = load_reg(x + m * xs + k);
@@ -117,7 +120,7 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
       const int nr = static_cast<int>(std::min<int64_t>(shape.n, n1 - n));
       for (int64_t m = 0; m < rows; m += shape.m) {
         const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
-        const float* next = (m == 0 && n + 2 * shape.n <= n1) ? w + (n + shape.n) * in : nullptr;
+        const float* next = (m == 0 && n + 3 * shape.n <= n1) ? w + (n + 2 * shape.n) * in : nullptr;
         kTiles.fn[mr - 1][nr - 1](x + m * xs, xs, w + n * in, in, y + m * out + n, out, k0, k1,
                                   k0 > 0, next);
       }

@@ -19,106 +19,6 @@
 
 namespace kvforge {
 
-namespace {
-
-// 16 vectors -> one vector of their 16 horizontal sums (lane t = sum of v[t]), by a halving
-// tree: each level adds the two halves of pairs of vectors, interleaving the pairs,
-//   level 1: [v0 | v1] halves of 8 lanes, level 2: 4 keys x 4 lanes, 3: 8 x 2, 4: 16 x 1
-// (45 vector ops for 16 dot products, where 16 separate horizontal sums take ~130).
-inline vec16 transpose_sum16(const vec16* v) {
-  vec16 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-
-// Softmax attention of one KV head's `group` queries over a list of whole blocks in QUEST's
-// head-major cache, where a block's keys (values) of this head are `len` contiguous rows of
-// `dim` floats:   K row t of block b = keys + b * block_stride + t * dim   (values likewise)
-// Block by block with an online softmax (running max m, sum l, accumulator rescaled by
-// e^(m_old - m_new) when the max grows), so a block's K and V runs are read back to back and
-// the next block's runs are prefetched while this one is computed. Only the list's last block
-// may be partial (last_len rows).
-void attend_runs(const float* q, int64_t q_head_stride, int64_t group, int64_t dim,
-                 const float* keys, const float* values, int64_t block_stride, int64_t block,
-                 const int64_t* blocks, int64_t num_blocks, int64_t last_len, float scale,
-                 Partial& part, std::vector<float>& scores) {
-  part.max.assign(group, -INFINITY);
-  part.sum.assign(group, 0.f);
-  part.acc.assign(group * dim, 0.f);
-  scores.resize(static_cast<size_t>(block));
-  const bool lanes = dim % 16 == 0;
-  for (int64_t i = 0; i < num_blocks; ++i) {
-    if (i + 1 < num_blocks) {
-      const float* nk = keys + blocks[i + 1] * block_stride;
-      const float* nv = values + blocks[i + 1] * block_stride;
-      for (int64_t c = 0; c < block * dim; c += 16) {
-        __builtin_prefetch(nk + c);
-        __builtin_prefetch(nv + c);
-      }
-    }
-    const float* k = keys + blocks[i] * block_stride;
-    const float* v = values + blocks[i] * block_stride;
-    const int64_t len = i + 1 == num_blocks ? last_len : block;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * q_head_stride;
-      float* sc = scores.data();
-      if (lanes && len == 16) {            // 16 dot products, one transposed reduction
-        vec16 acc[16];
-        for (int t = 0; t < 16; ++t) acc[t] = load16(qg) * load16(k + t * dim);
-        for (int64_t d = 16; d < dim; d += 16) {
-          const vec16 qd = load16(qg + d);
-          for (int t = 0; t < 16; ++t) acc[t] += qd * load16(k + t * dim + d);
-        }
-        const vec16 s16 = transpose_sum16(acc) * scale;
-        __builtin_memcpy(sc, &s16, sizeof s16);
-      } else {
-        for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qg, k + t * dim, dim);
-      }
-      float mx = part.max[g];
-      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
-      float* a = part.acc.data() + g * dim;
-      if (mx > part.max[g]) {              // rescale what was accumulated under the old max
-        const float corr = std::exp(part.max[g] - mx);
-        part.sum[g] *= corr;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] *= corr;
-        part.max[g] = mx;
-      }
-      part.sum[g] += exp_shift_sum(sc, len, mx);
-      if (lanes) {                         // accumulate in registers across the block's rows
-        for (int64_t d = 0; d < dim; d += 16) {
-          vec16 ad = load16(a + d);
-          for (int64_t t = 0; t < len; ++t) ad += sc[t] * load16(v + t * dim + d);
-          __builtin_memcpy(a + d, &ad, sizeof ad);
-        }
-      } else {
-        for (int64_t t = 0; t < len; ++t)
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += sc[t] * v[t * dim + d];
-      }
-    }
-  }
-}
-
-}  // namespace
-
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads) {
   check_fp32_cpu(q, "q");
@@ -236,12 +136,15 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
     }
   });
 
-  // ---- 3. attention over the chosen blocks, kChunk / B blocks per task, then the merge
-  const int64_t blocks_per_task = std::max<int64_t>(1, kChunk / block);
-  std::vector<int64_t> first_task(n * kv_heads + 1, 0);
-  for (int64_t item = 0; item < n * kv_heads; ++item)
-    first_task[item + 1] =
-        first_task[item] + (num_chosen[item] + blocks_per_task - 1) / blocks_per_task;
+  // ---- 3. attention over the chosen keys, kChunk keys per task, then the merge
+  //   the chosen list is a block table of its own: keys [0, keys_read) of (s, h), every block
+  //   whole but the current one (last); one KV head's rows: a contiguous B x D run per block
+  std::vector<int64_t> first_task(n * kv_heads + 1, 0), keys_read(n * kv_heads);
+  for (int64_t item = 0; item < n * kv_heads; ++item) {
+    const int64_t s = item / kv_heads;
+    keys_read[item] = (num_chosen[item] - 1) * block + (lens[s] - (num_logical[s] - 1) * block);
+    first_task[item + 1] = first_task[item] + (keys_read[item] + kChunk - 1) / kChunk;
+  }
   std::vector<Partial> parts(first_task[n * kv_heads]);
   at::parallel_for(0, first_task[n * kv_heads], 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
@@ -249,15 +152,13 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
       const int64_t item =
           std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
       const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t i0 = (t - first_task[item]) * blocks_per_task;
-      const int64_t i1 = std::min(num_chosen[item], i0 + blocks_per_task);
-      // the current block, last in the chosen list, holds lens[s] - (num_logical - 1) * B keys
-      const int64_t last_len =
-          i1 == num_chosen[item] ? lens[s] - (num_logical[s] - 1) * block : block;
-      attend_runs(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, group, dim,
-                  cache + h * head_stride, cache + plane + h * head_stride, block_stride, block,
-                  chosen.data() + item * k_blocks + i0, i1 - i0, last_len,
-                  static_cast<float>(scale), parts[t], scores);
+      const int64_t j0 = (t - first_task[item]) * kChunk;
+      const int64_t j1 = std::min(keys_read[item], j0 + kChunk);
+      const PagedKV keys{cache + h * head_stride, block_stride, dim, head_stride, block, dim};
+      const PagedKV values{cache + plane + h * head_stride, block_stride, dim, head_stride, block, dim};
+      attend_chunk(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, keys, values,
+                   chosen.data() + item * k_blocks, j0, j1, group, 1, static_cast<float>(scale),
+                   parts[t], scores);
     }
   });
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
