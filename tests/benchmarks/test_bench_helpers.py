@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -239,6 +240,9 @@ def test_measurements_are_positive_and_finite():
     bw = measure_read_bandwidth(num_bytes=1 << 20, reps=1)
     assert math.isfinite(peak) and peak > 0
     assert math.isfinite(bw) and bw > 0
+    t0 = time.perf_counter()
+    sustained = measure_read_bandwidth(num_bytes=1 << 20, reps=2, sample_seconds=0.05)
+    assert time.perf_counter() - t0 >= 0.1 and math.isfinite(sustained) and sustained > 0
 
 
 def test_format_table_aligns_columns():
@@ -290,7 +294,7 @@ def fake_systems(monkeypatch):
     monkeypatch.setattr(throughput, "measure_gemm_peak_flops", lambda: 1e9)
     monkeypatch.setattr(throughput, "sample_sharegpt_requests",
                         lambda encode, n, **kw: synthetic_requests([1, 2, 3], n, 5, 20))
-    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda num_bytes: 1e9)
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda num_bytes, sample_seconds: 1e9)
     return throughput, latency
 
 

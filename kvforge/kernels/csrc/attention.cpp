@@ -8,7 +8,7 @@
 //     scores[h][j] = scale * q[s, h] . K[j, h / group]      j < seq_lens[s]
 //     out[s, h] = softmax_j(scores[h]) @ V[:, h / group]
 //
-//   computed per chunk of kChunk keys (tasks run in parallel), then merged per sequence.
+//   computed per chunk of keys (tasks run in parallel), then merged per sequence.
 #include "kernels.h"
 
 namespace kvforge {
@@ -162,10 +162,21 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                       float scale, float* out) {
   const int64_t dim_v = values.dim;
-  // tasks: (sequence s, chunk c) -> keys [c * kChunk, min((c + 1) * kChunk, len))
+  // tasks: (sequence s, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len)). kChunk keys,
+  // or fewer when there are fewer sequences than ~2 tasks per thread: batch 1 at 300 tokens
+  // would give one thread 256 keys and the other 44 (whole blocks, >= 64 keys per task)
+  int64_t chunk = kChunk;
+  const int64_t want_tasks = 2 * at::get_num_threads();
+  if (num_seqs > 0 && num_seqs < want_tasks) {
+    const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
+    const int64_t per_seq = (want_tasks + num_seqs - 1) / num_seqs;
+    const int64_t even = (longest + per_seq - 1) / per_seq;
+    chunk = std::clamp<int64_t>((even + keys.block_size - 1) / keys.block_size * keys.block_size,
+                                64, kChunk);
+  }
   std::vector<int64_t> first_task(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
-    first_task[s + 1] = first_task[s] + std::max<int64_t>(1, (seq_lens[s] + kChunk - 1) / kChunk);
+    first_task[s + 1] = first_task[s] + std::max<int64_t>(1, (seq_lens[s] + chunk - 1) / chunk);
   const int64_t num_tasks = first_task[num_seqs];
   std::vector<Partial> parts(num_tasks);
   at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
@@ -174,7 +185,7 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_task[s + 1]) ++s;
       const int64_t c = t - first_task[s];
-      const int64_t j0 = c * kChunk, j1 = std::min(seq_lens[s], j0 + kChunk);
+      const int64_t j0 = c * chunk, j1 = std::min(seq_lens[s], j0 + chunk);
       attend_chunk(q + s * q_row_stride, q_head_stride, keys, values,
                    block_tables + s * table_stride, j0, j1, heads, kv_heads, scale, parts[t],
                    scores);
