@@ -127,6 +127,31 @@ def test_paged_decode_attention_matches_dense(compiled, kv_heads, heads, block_s
         torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("lens,block_size,dim", [
+    ([300], 16, 64),                  # batch 1: split into short chunks, merged
+    ([1000, 37], 16, 24),             # dims off the 16-lane path
+    ([1000, 700, 5, 260, 999], 24, 64),   # 256-key chunks that start inside a 24-slot block
+])
+def test_paged_decode_attention_long_contexts(compiled, lens, block_size, dim):
+    """Chunked (flash-decoding) decode attention over long paged contexts vs float64 math."""
+    g = torch.Generator().manual_seed(sum(lens) + dim)
+    kv_heads, heads = 3, 9
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = len(lens) * per_seq
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g).view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    out = compiled.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor(lens), 0.2)
+    for s, length in enumerate(lens):
+        keys = cache[0][table[s]].reshape(-1, kv_heads, dim)[:length].double()
+        values = cache[1][table[s]].reshape(-1, kv_heads, dim)[:length].double()
+        kv_of_head = torch.arange(heads) // (heads // kv_heads)
+        scores = torch.einsum("hd,thd->ht", q[s].double(), keys[:, kv_of_head]) * 0.2
+        ref = torch.einsum("ht,thd->hd", scores.softmax(-1), values[:, kv_of_head])
+        torch.testing.assert_close(out[s].double(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_fallback_when_disabled(monkeypatch):
     """Kernels off (KVFORGE_KERNELS=0 or no compiler): the ops still compute the right thing."""
     monkeypatch.setattr(kernels, "_module", None)
