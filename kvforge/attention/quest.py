@@ -33,8 +33,8 @@ allocated or freed. Bounds are recomputed from scratch for every block a step wr
 slots ``0 .. last slot written``: a reused block (freed, then allocated again) starts over
 when its slot 0 is written, stale slots past the written ones are never included, and chunked
 prefill, copy-on-write and speculative rollback (a rewrite) all give exact bounds.
-(``kv_cache_bytes_per_token`` of the model counts the extra row as if every block held one
-token, so a memory-sized pool is smaller than it could be; ``num_kv_blocks`` is exact.)
+A memory-sized pool counts the bounds rows: ``kv_cache_bytes_per_block`` of the model is the
+bytes of this shape for one block (B + 1 rows per KV head and plane).
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ class ModelRunner:
         self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                    self.kv_bytes_per_token / 1024)
+                    self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -67,7 +67,7 @@ class ModelRunner:
     def _num_kv_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = self.kv_bytes_per_token * self.block_size
+        per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         num_blocks = self.config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory!r} holds no KV block "

@@ -35,6 +35,12 @@ class PagedKVModelMixin:
         per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, all planes
         return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
 
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block of ``block_size`` tokens in every layer, with whatever the backend
+        keeps per block besides K/V (QUEST's key bounds rows)."""
+        per_layer = math.prod(self.kv_cache_shape(1, block_size))
+        return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
+
 
 class RotaryDecoderLMMixin(PagedKVModelMixin):
     """The forward of families laid out as ``self.model.{embed_tokens, rotary_emb, layers, norm}``

@@ -99,3 +99,16 @@ def test_speculative_verify_chunks_with_quest(tiny):
     _, tokens = _run(path, sparse_attention="quest", sparse_token_budget=32,
                      speculative_method="ngram", num_speculative_tokens=3)
     assert [len(t) for t in tokens] == [24] * 4
+
+
+def test_memory_sized_pool_counts_the_bounds_rows_once_per_block(tiny):
+    # a block holds B slots + 1 bounds row per KV head and plane: B + 1 rows, not 2 B
+    path, _ = tiny
+    memory = 1 << 20
+    quest = LLM(path, block_size=16, kv_cache_memory=memory, sparse_attention="quest").engine
+    paged = LLM(path, block_size=16, kv_cache_memory=memory).engine
+    paged_per_token = paged.runner.model.kv_cache_bytes_per_token()
+    per_block = quest.runner.model.kv_cache_bytes_per_block(16)
+    assert per_block == paged_per_token * 17
+    assert quest.runner.num_blocks == memory // per_block
+    assert quest.runner.num_blocks > memory // (quest.runner.model.kv_cache_bytes_per_token() * 16)
