@@ -128,7 +128,10 @@ def main(argv=None) -> None:
     from kvforge import LLM
     results = {}                       # (workload, batch, method) -> row values
     outputs = {}
-    workloads = None
+    # every engine up front, then each (workload, batch) runs the methods back to back: the
+    # shared VM's memory bandwidth drifts over minutes, and a method measured minutes after
+    # "off" would carry that drift into its ratio
+    llms = {}
     for method in args.methods:
         kwargs = dict(METHODS[method], num_threads=threads, kv_cache_memory="512MiB",
                       max_model_len=2048)
@@ -136,12 +139,13 @@ def main(argv=None) -> None:
             kwargs["num_speculative_tokens"] = args.num_speculative_tokens
         if method == "self-draft" and args.draft_layers:
             kwargs["speculative_draft_layers"] = args.draft_layers
-        llm = LLM(args.model, **kwargs)
-        if workloads is None:
-            workloads = _workloads(llm.engine.tokenizer, args)
+        llms[method] = LLM(args.model, **kwargs)
+    workloads = _workloads(next(iter(llms.values())).engine.tokenizer, args)
+    for llm in llms.values():
         _run(llm, [workloads[next(iter(workloads))][0]], 1, 8)          # warm-up
-        for name, prompts in workloads.items():
-            for b in args.batch_sizes:
+    for name, prompts in workloads.items():
+        for b in args.batch_sizes:
+            for method, llm in llms.items():
                 before = _snapshot(llm.engine.spec_stats)
                 tokens, seconds, decode_s = _run(llm, prompts, b, args.max_tokens)
                 stats = _delta(llm.engine.spec_stats, before)
@@ -149,8 +153,9 @@ def main(argv=None) -> None:
                 n = sum(len(t) for t in tokens)
                 results[(name, b, method)] = (n, seconds, stats, decode_s, n - len(tokens))
                 print(f"  {name} b={b} {method}: {n} tokens in {seconds:.1f}s", flush=True)
+    for llm in llms.values():
         llm.engine.check_integrity()
-        del llm
+    del llms
 
     rows, speedups, decode_speedups = [], {}, {}
     for (name, b, method), (n, seconds, stats, decode_s, decode_n) in results.items():
