@@ -44,7 +44,12 @@ struct Projection {
 
   int64_t out_features(int64_t fallback) const { return weight.defined() ? weight.size(0) : fallback; }
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  NextWeight as_next() const {
+    return weight.defined() ? NextWeight{weight.data_ptr<float>(), weight.size(1), weight.size(0)}
+                            : NextWeight{};
+  }
+
+  at::Tensor operator()(const at::Tensor& x, NextWeight next = {}) const {
     if (module) {       // forward() runs without the GIL (see bindings): take it for Python
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
@@ -56,7 +61,7 @@ struct Projection {
     if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
-                  rows, x.size(1), weight.size(0));
+                  rows, x.size(1), weight.size(0), next);
     } else {
       y = at::linear(x, weight);
     }
@@ -157,7 +162,8 @@ class DecodeStack {
                           w.ln1.data_ptr<float>(), h.data_ptr<float>(),
                           residual.data_ptr<float>(), n, hidden_, eps_);
       }
-      at::Tensor qkv = w.qkv(h);
+      // each projection starts pulling the next one's weights (see NextWeight)
+      at::Tensor qkv = w.qkv(h, w.o.as_next());
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_row && qkv.stride(1) == 1, "qkv output");
       float* qkv_p = qkv.data_ptr<float>();
       const int64_t qkv_stride = qkv.stride(0);
@@ -175,18 +181,18 @@ class DecodeStack {
                            head_dim_};
       decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
                        heads_, kv_heads_, scale_, attn.data_ptr<float>());
-      at::Tensor o = w.o(attn);
+      at::Tensor o = w.o(attn, w.gate_up.as_next());
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
       add_rms_norm_rows(o.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
                         w.ln2.data_ptr<float>(), h.data_ptr<float>(), residual.data_ptr<float>(),
                         n, hidden_, eps_);
-      at::Tensor gate_up = w.gate_up(h);
+      at::Tensor gate_up = w.gate_up(h, w.down.as_next());
       TORCH_CHECK(gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, "gate_up output");
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({n, inter}, hidden.options());
       silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
                         inter);
-      x = w.down(act);
+      x = w.down(act, l + 1 < layers_.size() ? layers_[l + 1].qkv.as_next() : NextWeight{});
       TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous(), "down_proj output");
     }
     at::Tensor out = at::empty_like(hidden);

@@ -121,8 +121,15 @@ void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float
 // from 1 row up, and F.linear wins on long prefill chunks (benchmarks/linear_kernel.py).
 constexpr int64_t kLinearRowsMin = 1;
 constexpr int64_t kLinearRowsMax = 256;
+// The weight a caller multiplies next (nullptr: none or unknown): each thread, done with its
+// share of w, starts pulling its share of the next weight into L2, so the serial work between
+// two projections (norms, rotary, attention) runs while memory keeps streaming.
+struct NextWeight {
+  const float* w = nullptr;
+  int64_t in = 0, out = 0;
+};
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
-                 int64_t out);
+                 int64_t out, NextWeight next = {});
 
 struct PagedKV {               // one layer's K or V plane: [num_blocks, block, kv_heads, dim]
   const float* data;

@@ -129,15 +129,40 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
 }
 }  // namespace
 
+// Tasks of whole tiles, >= ~16K floats of W each, so small layers do not pay for waking threads.
+inline int64_t linear_grain(int64_t in, TileShape shape) {
+  return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * shape.n, 1));
+}
+
+// Bytes of the next weight each thread pulls into L2 at the end of its share: about what one
+// thread streams during the serial work between two projections (~10-40 us).
+constexpr int64_t kNextPrefetchBytes = 128 * 1024;
+
+// The calling thread's share of `next` as at::parallel_for will hand it out (OpenMP backend:
+// min(threads, tasks) threads, ceil(tiles / threads) tiles each, thread i the i-th run), its
+// first kNextPrefetchBytes prefetched into L2. A wrong guess only wastes the hint.
+void prefetch_next_share(const NextWeight& next, TileShape shape) {
+  const int64_t tiles = (next.out + shape.n - 1) / shape.n;
+  const int64_t grain = linear_grain(next.in, shape);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
+  const int64_t tid = at::get_thread_num();
+  if (tid >= threads) return;
+  const int64_t chunk = (tiles + threads - 1) / threads;
+  const int64_t row0 = std::min(next.out, tid * chunk * shape.n);
+  const int64_t row1 = std::min(next.out, (tid + 1) * chunk * shape.n);
+  const char* p = reinterpret_cast<const char*>(next.w + row0 * next.in);
+  const int64_t bytes = std::min<int64_t>(kNextPrefetchBytes, (row1 - row0) * next.in * 4);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
-                 int64_t out) {
+                 int64_t out, NextWeight next) {
   const TileShape shape = tile_shape(rows);
   const int64_t num_tiles = (out + shape.n - 1) / shape.n;
-  // >= ~16K floats of W per task, so small layers do not pay for waking threads
-  const int64_t grain = std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * shape.n, 1));
-  at::parallel_for(0, num_tiles, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, num_tiles, linear_grain(in, shape), [&](int64_t t0, int64_t t1) {
     linear_rows_range(x, xs, w, y, rows, in, out, t0 * shape.n, std::min(out, t1 * shape.n),
                       shape);
+    if (next.w != nullptr) prefetch_next_share(next, shape);
   });
 }
 
