@@ -158,7 +158,7 @@ class QuestAttentionBackend(PagedAttentionBackend):
                                                           self.head_size):
             raise ValueError(f"quest kv_cache shape {tuple(kv_cache.shape)}, expected "
                              f"[2, num_blocks, {self.num_kv_heads * (size + 1)}, {self.head_size}]")
-        slots = kv_slots(kv_cache, self.num_kv_heads)           # the K/V slots in the paged order (a strided view)
+        slots = kv_slots(kv_cache, self.num_kv_heads)    # the paged order, a strided view
         self._check_inputs(q, k, v, slots, meta)
         ops = kernel_ops.cpu_kernels()
         if (ops is not None and kv_cache.dtype == torch.float32 and k.dtype == torch.float32

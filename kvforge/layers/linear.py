@@ -13,15 +13,15 @@ picks the kernel by the number of rows M (``benchmarks/linear_kernel.py``, all 1
 of SmolLM2-135M, 2 threads, idle box, ms):
 
     M        1     2     3     4     8     16    32    64    128   256   384   512
-    F.linear 34.8  58.9  67.5  45.8  40.7  48.6  68.8  100.6 171.2 386.9 438.7 572.1
-    W @ x^T  16.1  14.9  20.5  22.3  34.5  45.5  65.5  101.2 175.5 373.8 474.6 658.1
-    kvforge  16.3  15.9  16.2  18.1  20.8  30.5  50.0  87.1  161.8 324.8 487.6 688.7
+    F.linear 35.0  56.4  67.0  45.9  40.7  48.8  67.8  101.7 178.4 327.5 495.3 651.0
+    W @ x^T  15.2  14.9  20.8  21.7  34.8  46.7  64.8  102.0 178.9 358.2 584.3 791.4
+    kvforge  14.1  14.0  14.7  14.9  15.5  28.6  46.7  82.8  158.7 338.1 535.8 728.4
 
-torch's default ``F.linear`` is a slow matrix-vector product at small M; MKL is fastest as
-``W @ x^T`` for M = 1 (the row duplicated: the 2-column GEMM reads W once) and M = 2; the
-compiled register-tiled kernel (kernels/csrc/linear.cpp) for 3..256 rows (decode batches,
-speculative verification, short prefill chunks); F.linear (MKL with packing) for longer chunks.
-Without the compiled kernels, ``W @ x^T`` up to 128 rows and F.linear beyond.
+torch's default ``F.linear`` is a slow matrix-vector product at small M; the compiled
+register-tiled kernel (kernels/csrc/linear.cpp) runs 1..256 rows (decodes, speculative
+verification, short prefill chunks; 1-8 rows in one pass over W at memory speed); F.linear (MKL
+with packing) longer chunks. Without the compiled kernels: ``W @ x^T`` up to 128 rows (for
+M = 1 the row duplicated: the 2-column GEMM reads W once, ~2x MKL's gemv) and F.linear beyond.
 """
 from __future__ import annotations
 

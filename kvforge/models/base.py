@@ -32,8 +32,7 @@ class PagedKVModelMixin:
         return backend.cache_dtype(self.dtype)
 
     def kv_cache_bytes_per_token(self) -> int:
-        per_layer = math.prod(self.kv_cache_shape(1, 1))   # one block of one token, all planes
-        return per_layer * torch.empty((), dtype=self.kv_cache_dtype()).element_size() * self.num_layers
+        return self.kv_cache_bytes_per_block(1)          # one block of one token, all planes
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block of ``block_size`` tokens in every layer, with whatever the backend

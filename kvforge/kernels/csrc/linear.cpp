@@ -53,7 +53,8 @@ inline float hsum_reg(vreg v) {
   return s[0] + s[1];
 }
 
-// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1]; prefetch: a W tile to fetch into L2 or nullptr
+// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1]; prefetch: a W tile to pull into L2, or
+// nullptr
 template <int MR, int NR>
 void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t ws,
           float* __restrict y, int64_t ys, int64_t k0, int64_t k1, bool accumulate,
@@ -120,9 +121,11 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
       const int nr = static_cast<int>(std::min<int64_t>(shape.n, n1 - n));
       for (int64_t m = 0; m < rows; m += shape.m) {
         const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
-        const float* next = (m == 0 && n + 3 * shape.n <= n1) ? w + (n + 2 * shape.n) * in : nullptr;
+        // the W tile after next (see the header): two tiles of distance
+        const float* ahead =
+            (m == 0 && n + 3 * shape.n <= n1) ? w + (n + 2 * shape.n) * in : nullptr;
         kTiles.fn[mr - 1][nr - 1](x + m * xs, xs, w + n * in, in, y + m * out + n, out, k0, k1,
-                                  k0 > 0, next);
+                                  k0 > 0, ahead);
       }
     }
   }
