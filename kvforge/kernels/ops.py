@@ -84,11 +84,13 @@ LINEAR_ROWS_MIN, LINEAR_ROWS_MAX = 1, 256
 
 
 def single_pass_rows(device: torch.device, dtype: torch.dtype) -> int | None:
-    """Rows the compiled linear kernel multiplies in one pass over the weights (its few-rows
-    register tile: 8 with AVX-512, 4 with AVX2) for ``dtype`` weights on ``device``; None
-    where the kernel does not run."""
-    ops = cpu_kernels() if torch.device(device).type == "cpu" and dtype is _FP32 else None
-    return None if ops is None else int(ops.linear_few_rows_max)
+    """Rows an fp32 CPU projection multiplies in one pass over its weights: the compiled
+    kernel's few-rows register tile (8 with AVX-512, 4 with AVX2), or 2 on MKL alone (its
+    ``W @ x^T`` reads W once for 1-2 rows); None elsewhere (no such limit known)."""
+    if torch.device(device).type != "cpu" or dtype is not _FP32:
+        return None
+    ops = cpu_kernels()
+    return 2 if ops is None else int(ops.linear_few_rows_max)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

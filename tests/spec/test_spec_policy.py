@@ -74,3 +74,18 @@ def test_low_acceptance_pauses_with_backoff_unless_disabled():
 def test_bad_row_budget_raises():
     with pytest.raises(ValueError, match="max_verify_rows"):
         SpecDecoder(4, Repeat(), 1000, max_verify_rows=1)
+
+
+def test_row_budget_follows_the_linear_kernel(monkeypatch):
+    import torch
+
+    from kvforge import kernels
+    from kvforge.kernels import ops
+    compiled = kernels.cpu_kernels()
+    expected = None if compiled is None else compiled.linear_few_rows_max
+    if expected is not None:
+        assert ops.single_pass_rows(torch.device("cpu"), torch.float32) == expected in (4, 8)
+    monkeypatch.setattr(kernels, "_module", None)               # no compiler: MKL alone
+    assert ops.single_pass_rows(torch.device("cpu"), torch.float32) == 2
+    assert ops.single_pass_rows(torch.device("cpu"), torch.bfloat16) is None
+    assert ops.single_pass_rows(torch.device("meta"), torch.float32) is None
