@@ -7,7 +7,8 @@
 //                                                        + h * head_stride + o * D
 //     ... of head h's bound row                          = p * plane + b * block_stride
 //                                                        + bounds_offset + h * D
-//     head_stride = B * D,  bounds_offset = KVH * head_stride,  block_stride = bounds_offset + KVH * D
+//     head_stride = B * D,  bounds_offset = KVH * head_stride,
+//     block_stride = bounds_offset + KVH * D,  plane = num_blocks * block_stride
 //
 // Per (sequence s, KV head h), with its group's queries q_g:
 //   bound[b] = sum_d max over the sign of (sum_g q_g)[d] of kmin[b][d], kmax[b][d]
@@ -18,6 +19,17 @@
 #include "kernels.h"
 
 namespace kvforge {
+
+namespace {
+struct QuestLayout {      // float strides of the head-major cache (the map above)
+  int64_t head_stride, bounds_offset, block_stride, plane;
+  QuestLayout(int64_t num_blocks, int64_t kv_heads, int64_t block, int64_t dim)
+      : head_stride(block * dim),
+        bounds_offset(kv_heads * block * dim),
+        block_stride(kv_heads * (block + 1) * dim),
+        plane(num_blocks * kv_heads * (block + 1) * dim) {}
+};
+}  // namespace
 
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads) {
@@ -48,8 +60,9 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
                   "block id out of range");
   }
   const float* cache = kv_cache.data_ptr<float>();
-  const int64_t head_stride = block * dim, bounds_offset = kv_heads * head_stride;
-  const int64_t block_stride = bounds_offset + kv_heads * dim, plane = num_blocks * block_stride;
+  const QuestLayout layout(num_blocks, kv_heads, block, dim);
+  const int64_t head_stride = layout.head_stride, bounds_offset = layout.bounds_offset;
+  const int64_t block_stride = layout.block_stride, plane = layout.plane;
   auto out = at::empty({n, heads, dim}, q.options());
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
@@ -106,7 +119,8 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t qi = (s * kv_heads + h) * dim;
           bounds[bound_base[s] + h * others + b] =
-              dot(q_pos.data() + qi, kmax + h * dim, dim) + dot(q_neg.data() + qi, kmin + h * dim, dim);
+              dot(q_pos.data() + qi, kmax + h * dim, dim) +
+              dot(q_neg.data() + qi, kmin + h * dim, dim);
         }
       }
     }
@@ -154,8 +168,9 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
       const int64_t s = item / kv_heads, h = item % kv_heads;
       const int64_t j0 = (t - first_task[item]) * kChunk;
       const int64_t j1 = std::min(keys_read[item], j0 + kChunk);
-      const PagedKV keys{cache + h * head_stride, block_stride, dim, head_stride, block, dim};
-      const PagedKV values{cache + plane + h * head_stride, block_stride, dim, head_stride, block, dim};
+      const float* run = cache + h * head_stride;
+      const PagedKV keys{run, block_stride, dim, head_stride, block, dim};
+      const PagedKV values{run + plane, block_stride, dim, head_stride, block, dim};
       attend_chunk(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, keys, values,
                    chosen.data() + item * k_blocks, j0, j1, group, 1, static_cast<float>(scale),
                    parts[t], scores);
@@ -180,7 +195,8 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
   check_fp32_cpu(v, "v");
   const int64_t kv_heads = k.dim() == 3 ? k.size(1) : 0;
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_heads >= 1 && kv_cache.size(2) % kv_heads == 0 && kv_cache.size(2) / kv_heads >= 2,
+                  kv_heads >= 1 && kv_cache.size(2) % kv_heads == 0 &&
+                  kv_cache.size(2) / kv_heads >= 2,
               "kv_cache must be contiguous [2, num_blocks, kv_heads * (B + 1), dim]");
   const int64_t num_blocks = kv_cache.size(1), block = kv_cache.size(2) / kv_heads - 1;
   const int64_t dim = kv_cache.size(3);
@@ -196,8 +212,9 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block, "slot out of range");
   float* cache = kv_cache.data_ptr<float>();
-  const int64_t head_stride = block * dim, bounds_offset = kv_heads * head_stride;
-  const int64_t block_stride = bounds_offset + kv_heads * dim, plane = num_blocks * block_stride;
+  const QuestLayout layout(num_blocks, kv_heads, block, dim);
+  const int64_t head_stride = layout.head_stride, bounds_offset = layout.bounds_offset;
+  const int64_t block_stride = layout.block_stride, plane = layout.plane;
   // (block, last offset written) per touched block
   std::vector<std::pair<int64_t, int64_t>> touched;
   for (int64_t t = 0; t < tokens; ++t) {
@@ -218,7 +235,8 @@ void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slo
     else last.push_back(bo);
   }
   // per (touched block, KV head): rows 0 .. last written of its contiguous run -> row B
-  at::parallel_for(0, static_cast<int64_t>(last.size()) * kv_heads, 16, [&](int64_t i0, int64_t i1) {
+  const int64_t items = static_cast<int64_t>(last.size()) * kv_heads;
+  at::parallel_for(0, items, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const auto& [b, last_off] = last[i / kv_heads];
       const float* keys = cache + b * block_stride + (i % kv_heads) * head_stride;
