@@ -61,22 +61,35 @@ def measure_gemm_peak_flops(n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n ** 3 / seconds
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5,
-                           sample_seconds: float = 0.0) -> float:
-    """Achievable memory read bandwidth in bytes/s: best of ``reps`` samples, each as many
-    ``sum()`` passes over an fp32 tensor far larger than any cache as fill ``sample_seconds``
-    (at least one). Long samples measure what a run of that length can sustain: on a shared
-    VM a single ~30 ms pass now and then reads 40-60% faster than any second-long stretch."""
-    t = torch.ones(num_bytes // 4)
-    t.sum()
-    best = 0.0
-    for _ in range(reps):
+class ReadBandwidthSampler:
+    """Samples of sustained memory read bandwidth (bytes/s): each as many ``sum()`` passes over
+    one fp32 tensor far larger than any cache as fill ``sample_seconds`` (at least one pass).
+
+    Long samples measure what a run of that length can sustain: on a shared VM a single ~30 ms
+    pass now and then reads 40-60% faster than any second-long stretch, and the rate itself
+    drifts between modes (~30 and ~50 GB/s here) over seconds, so a benchmark compares a run
+    with the samples taken right before and after it (see benchmarks/latency.py)."""
+
+    def __init__(self, num_bytes: int = 1 << 30, sample_seconds: float = 0.0) -> None:
+        if num_bytes < 4:
+            raise ValueError(f"num_bytes must be >= 4, got {num_bytes}")
+        self.sample_seconds = sample_seconds
+        self._data = torch.ones(num_bytes // 4)
+        self._data.sum()                       # first touch: page faults are not bandwidth
+
+    def sample(self) -> float:
         passes, t0 = 0, time.perf_counter()
         while True:
-            t.sum()
+            self._data.sum()
             passes += 1
             elapsed = time.perf_counter() - t0
-            if elapsed >= sample_seconds:
-                break
-        best = max(best, passes * t.numel() * 4 / elapsed)
-    return best
+            if elapsed >= self.sample_seconds:
+                return passes * self._data.numel() * 4 / elapsed
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5,
+                           sample_seconds: float = 0.0) -> float:
+    """Achievable memory read bandwidth in bytes/s: the best of ``reps`` samples (see
+    ``ReadBandwidthSampler``)."""
+    sampler = ReadBandwidthSampler(num_bytes, sample_seconds)
+    return max(sampler.sample() for _ in range(reps))

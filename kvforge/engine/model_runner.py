@@ -4,6 +4,7 @@ It owns the model, the paged KV cache tensors and the sampler; it never decides 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -109,7 +110,7 @@ class ModelRunner:
         spec_reqs: list[Request] = []
         spec_rows: list[int] = []
         row_of: dict[str, int] = {}
-        ends = meta.query_start_loc[1:].tolist()
+        ends = list(itertools.accumulate(query_lens))
         for i, req in enumerate(sched.scheduled):
             n = query_lens[i]
             num_spec = len(sched.spec_token_ids.get(req.request_id, ()))
@@ -134,7 +135,10 @@ class ModelRunner:
                 out.sampled[req.request_id] = tokens
         if not sample_reqs:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        # a pure decode batch samples every row, in order: no gather
+        rows = (hidden if sample_rows == list(range(hidden.shape[0]))
+                else hidden[torch.tensor(sample_rows, device=self.device)])
+        logits = self.model.compute_logits(rows)
         batch = SamplingBatch.from_requests(sample_reqs, logits.shape[-1], self.device)
         result = self.sampler(logits, batch)
         tokens = result.sampled_token_ids.tolist()

@@ -1,7 +1,9 @@
 """Run a pure-decode step of a Llama-family model through the compiled ``DecodeStack``.
 
-Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (run by our kernels)
-or quantized ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
+Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (packed here for our
+kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
+too) or quantized ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
+without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
 (not QUEST, windows or an fp8 cache) and a contiguous fp32 KV cache. Anything else returns None
 and the model runs its Python layers, which remain the reference (tests compare the two).
 """
@@ -16,7 +18,7 @@ def build_llama_decode_stack(model):
     """A ``DecodeStack`` over ``model``'s own weight tensors, or None when not eligible."""
     from kvforge.attention.paged import PagedAttentionBackend
     from kvforge.layers.activation import GatedActivation
-    from kvforge.layers.linear import UnquantizedLinearMethod
+    from kvforge.layers.linear import UnquantizedLinearMethod, pack_linear
     from kvforge.models.llama import LlamaMLP
 
     ops = cpu_kernels()
@@ -26,33 +28,43 @@ def build_llama_decode_stack(model):
     rotary = inner.rotary_emb
     if rotary.rotary_dim != rotary.head_dim or rotary.cos_sin_table.device.type != "cpu":
         return None
-    layers, norm_eps = [], None
-    empty = torch.Tensor()
-
-    def projection(linear):
-        """fp32 weight + bias for our kernels, or the module itself (quantized: its own kernel)."""
-        if type(linear.method) is UnquantizedLinearMethod:
-            if linear.weight.dtype != torch.float32 or not linear.weight.is_contiguous():
-                return None
-            return linear.weight, (linear.bias if linear.bias is not None else empty)
-        return linear, empty
-
+    norm_eps = None
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(attn.attn) is not PagedAttentionBackend or type(mlp) is not LlamaMLP
-                or not isinstance(mlp.act_fn, GatedActivation) or mlp.act_fn.act_name not in ("silu", "swish")):
+                or not isinstance(mlp.act_fn, GatedActivation)
+                or mlp.act_fn.act_name not in ("silu", "swish")):
             return None
-        projections = [projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                               mlp.down_proj)]
-        if any(p is None for p in projections):
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(type(p.method) is UnquantizedLinearMethod
+               and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
+               for p in linears):
             return None
-        (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = projections
-        if gate_up_bias.numel() or down_bias.numel():
+        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return None
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, inner.norm.eps}
         if len(eps) != 1 or (norm_eps is not None and eps != {norm_eps}):
             return None
         norm_eps = eps.pop()
+
+    empty = torch.Tensor()
+
+    def projection(linear):
+        """Eligible: the packed fp32 weight (packing it now if it is not yet) or, when it cannot
+        be packed, the row-major fp32 weight, for our kernels; a quantized layer's module itself
+        (its own kernel)."""
+        bias = linear.bias if linear.bias is not None else empty
+        if pack_linear(linear):
+            return (linear.packed_weight, linear.output_size), bias
+        if type(linear.method) is UnquantizedLinearMethod:
+            return linear.weight, bias
+        return linear, empty
+
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        (qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _) = (
+            projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
         layers.append([layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
                        layer.post_attention_layernorm.weight, gate_up, down])
     first = inner.layers[0].self_attn

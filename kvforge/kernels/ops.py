@@ -102,3 +102,48 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if ops is None or x.stride(1) != 1 or not weight.is_contiguous():
         return None
     return ops.linear_rows(x, weight)
+
+
+# ---- the packed weight layout of csrc/linear.cpp -------------------------------------------
+#
+#   W [N, K] (N padded with zero rows to a multiple of R = pack_rows, K a multiple of L = lanes)
+#     -> packed [N / R, K / L, R, L]:   packed[g, kb, j, :] = W[g * R + j, kb * L : (kb + 1) * L]
+#
+# One k step of an R-row tile is R adjacent vectors, so the kernel streams W sequentially.
+
+def packed_layout() -> tuple[int, int] | None:
+    """(pack_rows, lanes) of the compiled kernel, or None without it."""
+    ops = cpu_kernels()
+    return None if ops is None else (int(ops.linear_pack_rows), int(ops.linear_lanes))
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] in the packed layout, or None when the kernel cannot take it (no
+    compiled kernels, not fp32 on CPU, K not a multiple of the lanes)."""
+    layout = packed_layout()
+    if layout is None or weight.dim() != 2 or weight.dtype is not _FP32 or not weight.is_cpu:
+        return None
+    rows, lanes = layout
+    n, k = weight.shape
+    if k % lanes:
+        return None
+    groups = -(-n // rows)
+    padded = F.pad(weight, (0, 0, 0, groups * rows - n))
+    return padded.view(groups, rows, k // lanes, lanes).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The row-major [out_features, K] weight back from its packed layout (a new tensor)."""
+    groups, k_blocks, rows, lanes = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(groups * rows, k_blocks * lanes)[:out_features].contiguous()
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+    """``x [M, K] @ W^T`` over W's packed layout for LINEAR_ROWS_MIN <= M <= LINEAR_ROWS_MAX;
+    None when it does not apply (the caller unpacks for MKL)."""
+    if not LINEAR_ROWS_MIN <= x.shape[0] <= LINEAR_ROWS_MAX:
+        return None
+    ops = _kernel_for(x, packed)
+    if ops is None or x.stride(1) != 1:
+        return None
+    return ops.linear_packed(x, packed, out_features)

@@ -99,6 +99,59 @@ class UnquantizedLinearMethod(LinearMethod):
         return y.view(*x.shape[:-1], layer.output_size)
 
 
+class PackedLinearMethod(LinearMethod):
+    """An fp32 weight in the compiled kernel's packed layout (``kernels/ops.py``): one
+    sequential stream per thread instead of 8 row streams, which keeps up better with fast
+    memory (``kernels/csrc/linear.cpp``). Layers arrive here loaded, converted by
+    ``pack_linear``; more than ``LINEAR_ROWS_MAX`` rows (long prefill chunks) run MKL on a
+    row-major copy made for the call (a few % of such a GEMM's time)."""
+
+    def create_weights(self, layer, dtype, device):
+        raise TypeError("PackedLinearMethod converts loaded layers (pack_linear); "
+                        "create layers with UnquantizedLinearMethod")
+
+    def load_weight(self, layer, kind, loaded, output_offset):
+        raise ValueError("this linear layer's weight is packed for the CPU kernels; "
+                         "load weights before the layer is packed")
+
+    @staticmethod
+    def dense_weight(layer) -> torch.Tensor:
+        """The [out, in] weight, unpacked (a new tensor)."""
+        return kernel_ops.unpack_linear_weight(layer.packed_weight, layer.output_size)
+
+    def apply(self, layer, x):
+        x2d = x.reshape(-1, layer.input_size)
+        y = kernel_ops.linear_packed(x2d, layer.packed_weight, layer.output_size)
+        if y is None:
+            y = torch.nn.functional.linear(x2d, self.dense_weight(layer))
+        if layer.bias is not None:
+            y += layer.bias
+        return y.view(*x.shape[:-1], layer.output_size)
+
+
+def pack_linear(layer: "Linear") -> bool:
+    """Convert a loaded fp32 CPU ``layer`` with the plain method to ``PackedLinearMethod`` in
+    place (the row-major weight is freed). True when the layer is packed (now or before)."""
+    if type(layer.method) is PackedLinearMethod:
+        return True
+    if type(layer.method) is not UnquantizedLinearMethod:
+        return False
+    packed = kernel_ops.pack_linear_weight(layer.weight)
+    if packed is None:
+        return False
+    del layer.weight
+    layer.packed_weight = nn.Parameter(packed, requires_grad=False)
+    layer.method = PackedLinearMethod()
+    return True
+
+
+def dense_weight(layer: "Linear") -> torch.Tensor:
+    """A float layer's [out, in] weight, whichever float layout holds it."""
+    if type(layer.method) is PackedLinearMethod:
+        return PackedLinearMethod.dense_weight(layer)
+    return layer.weight
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with storage and kernel delegated to ``method``."""
 

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvforge.attention.mla import MLAUpProjection
-from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
+from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod, dense_weight
 from kvforge.layers.moe import EXPERT_SHARDS, FusedMoE, UnquantizedExpertsMethod
 from kvforge.quant import packing
 from kvforge.quant.calibration import (CalibratedLinearMethod, CalibratedQuantConfig,
@@ -118,7 +118,7 @@ def quantized_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor
             saved = export_layer(prefix, module)
             for name, r in _shard_names(prefix, module):
                 if saved is None:
-                    state[f"{name}.weight"] = module.weight[r]
+                    state[f"{name}.weight"] = dense_weight(module)[r]
                 else:
                     state.update(_rows_tensors(name, saved, r))
                     if _int4_blocks(saved) is not None:

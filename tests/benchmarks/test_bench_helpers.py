@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.common import parse_engine_args
-from benchmarks.hardware import (cpu_model_name, measure_gemm_peak_flops, measure_read_bandwidth,
-                                 physical_cores)
+from benchmarks.hardware import (ReadBandwidthSampler, cpu_model_name, measure_gemm_peak_flops,
+                                 measure_read_bandwidth, physical_cores)
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table
 from benchmarks.systems import RunResult, left_pad, static_batches, timed_run
@@ -243,6 +243,12 @@ def test_measurements_are_positive_and_finite():
     t0 = time.perf_counter()
     sustained = measure_read_bandwidth(num_bytes=1 << 20, reps=2, sample_seconds=0.05)
     assert time.perf_counter() - t0 >= 0.1 and math.isfinite(sustained) and sustained > 0
+    sampler = ReadBandwidthSampler(num_bytes=1 << 20, sample_seconds=0.02)
+    t0 = time.perf_counter()
+    assert all(math.isfinite(b) and b > 0 for b in (sampler.sample(), sampler.sample()))
+    assert time.perf_counter() - t0 >= 0.04
+    with pytest.raises(ValueError, match="num_bytes"):
+        ReadBandwidthSampler(num_bytes=2)
 
 
 def test_format_table_aligns_columns():
@@ -283,6 +289,17 @@ def fake_config():
                            head_dim=s.head_dim)
 
 
+class FakeSampler:
+    """Read bandwidth that alternates 1 and 3 GB/s: every rep's bound uses the mean, 2 GB/s."""
+
+    def __init__(self, num_bytes, sample_seconds):
+        self.count = 0
+
+    def sample(self):
+        self.count += 1
+        return 1e9 if self.count % 2 else 3e9
+
+
 @pytest.fixture
 def fake_systems(monkeypatch):
     import benchmarks.latency as latency
@@ -294,7 +311,7 @@ def fake_systems(monkeypatch):
     monkeypatch.setattr(throughput, "measure_gemm_peak_flops", lambda: 1e9)
     monkeypatch.setattr(throughput, "sample_sharegpt_requests",
                         lambda encode, n, **kw: synthetic_requests([1, 2, 3], n, 5, 20))
-    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda num_bytes, sample_seconds: 1e9)
+    monkeypatch.setattr(latency, "ReadBandwidthSampler", FakeSampler)
     return throughput, latency
 
 
@@ -313,9 +330,16 @@ def test_throughput_script_reports_ratio_and_summary(fake_systems, tmp_path, cap
 
 def test_latency_script_reports_bound(fake_systems, capsys):
     _, latency = fake_systems
-    payload = latency.main(["--prompt-len", "4", "--output-len", "8", "--reps", "1"])
+    payload = latency.main(["--prompt-len", "4", "--output-len", "8", "--reps", "3"])
     text = capsys.readouterr().out
     assert text.count("SUMMARY latency:") == 1 and "of bound" in text
     s = tiny_shape()
-    assert payload["bound_ms_per_token"] == pytest.approx(s.decode_bytes_per_token(4 + 4) / 1e9 * 1e3)
+    bound_ms = s.decode_bytes_per_token(4 + 4) / 2e9 * 1e3      # each rep between 1 and 3 GB/s
+    assert payload["bound_ms_per_token"] == pytest.approx(bound_ms)
+    for row in payload["results"]:
+        assert len(row["runs"]) == 3
+        for run in row["runs"]:
+            assert run["bandwidth_bytes_per_s"] == pytest.approx(2e9)
+            assert run["fraction_of_bound"] == pytest.approx(bound_ms / run["decode_ms_per_token"])
+        assert row["fraction_of_bound_min"] <= row["fraction_of_bound"] <= row["fraction_of_bound_max"]
     assert [r["system"] for r in payload["results"]] == ["kvforge", "HF transformers"]

@@ -106,6 +106,81 @@ def test_linear_rows_dispatch_range(compiled):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(960, 576), (13, 32), (3, 16), (37, 4112)])  # pad, K blocks
+def test_packed_layout_round_trip(compiled, shape):
+    """packed[g, kb, j] = W[8g + j, kb*L:(kb+1)*L], rows padded with zeros to a whole group."""
+    rows, lanes = ops.packed_layout()
+    assert (rows, lanes) == (compiled.linear_pack_rows, compiled.linear_lanes)
+    w = torch.randn(*shape)
+    p = ops.pack_linear_weight(w)
+    groups = -(-shape[0] // rows)
+    assert p.shape == (groups, shape[1] // lanes, rows, lanes) and p.is_contiguous()
+    n, kb = shape[0] - 1, shape[1] // lanes - 1               # the last row's last k block
+    assert torch.equal(p[n // rows, kb, n % rows], w[n, kb * lanes:(kb + 1) * lanes])
+    assert not p.permute(0, 2, 1, 3).reshape(groups * rows, -1)[shape[0]:].any()    # padding
+    assert torch.equal(ops.unpack_linear_weight(p, shape[0]), w)
+
+
+@needs_kernels
+def test_pack_refuses_what_the_kernel_cannot_take(compiled):
+    _, lanes = ops.packed_layout()
+    assert ops.pack_linear_weight(torch.randn(8, lanes + 1)) is None          # K off the lanes
+    assert ops.pack_linear_weight(torch.randn(8, lanes, dtype=torch.float64)) is None
+    assert ops.pack_linear_weight(torch.randn(8, lanes)) is not None
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (13, 32), (37, 4112)])     # tails: groups, K blocks
+def test_linear_packed_matches_reference(compiled, rows, shape):
+    """The packed kernel against float64, and bit for bit against the row-major kernel (same
+    tiles, same summation order: packing changes where W is read, not the arithmetic)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(*shape, generator=g)
+    wide = torch.randn(rows, shape[1] + 8, generator=g)
+    x = wide[:, 3:3 + shape[1]]                                   # strided rows
+    y = compiled.linear_packed(x, ops.pack_linear_weight(w), shape[0])
+    torch.testing.assert_close(y, (x.double() @ w.double().t()).float(), rtol=1e-4, atol=1e-3)
+    if rows <= ops.LINEAR_ROWS_MAX:
+        assert torch.equal(y, ops.linear_packed(x, ops.pack_linear_weight(w), shape[0]))
+    assert torch.equal(y, compiled.linear_rows(x, w))
+
+
+@needs_kernels
+def test_linear_packed_rejects_bad_input(compiled):
+    p = ops.pack_linear_weight(torch.randn(20, 32))
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        compiled.linear_packed(torch.randn(2, 32), p, 30)            # groups do not match out
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        compiled.linear_packed(torch.randn(2, 48), p, 20)            # K does not match
+    with pytest.raises(RuntimeError, match="rows >= 1"):
+        compiled.linear_packed(torch.randn(0, 32), p, 20)
+    assert ops.linear_packed(torch.randn(ops.LINEAR_ROWS_MAX + 1, 32), p, 20) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 300])       # the kernel, and MKL on an unpacked copy
+def test_pack_linear_layer(compiled, rows):
+    from kvforge.layers.linear import (Linear, PackedLinearMethod, UnquantizedLinearMethod,
+                                       dense_weight, pack_linear)
+    layer = Linear(64, 40, bias=True)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    layer.load_weight("weight", w)
+    layer.load_weight("bias", b)
+    x = torch.randn(2, rows, 64)
+    before = layer(x)
+    assert pack_linear(layer) and type(layer.method) is PackedLinearMethod
+    assert not hasattr(layer, "weight") and pack_linear(layer)          # packed once
+    assert torch.equal(dense_weight(layer), w)
+    torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+    assert layer(x).shape == (2, rows, 40)
+    with pytest.raises(ValueError, match="packed"):
+        layer.load_weight("weight", w)
+    odd = Linear(40, 8)                                     # K = 40: not a multiple of the lanes
+    assert not pack_linear(odd) and type(odd.method) is UnquantizedLinearMethod
+
+
+@needs_kernels
 @pytest.mark.parametrize("kv_heads,heads,block_size", [(3, 9, 16), (2, 2, 4), (1, 8, 8)])
 def test_paged_decode_attention_matches_dense(compiled, kv_heads, heads, block_size):
     g = torch.Generator().manual_seed(heads * 100 + block_size)
@@ -219,10 +294,27 @@ def test_tiny_models_decode_stack_matches_python_layers(compiled, tiny_model_fac
     from kvforge.engine.llm import LLM
     hf_dir, _ = tiny_model_factory(kind, **overrides)
     prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
-    # batch sizes 3 (few-row kernel) and 12 (MKL path inside the stack)
+    # batch sizes 3 (few-row tiles) and 12 (the large tiles)
     for batch in (prompts, prompts * 4):
         _check_on_equals_off(LLM(hf_dir, num_kv_blocks=64, block_size=4), batch, monkeypatch,
                              atol=1e-4)
+
+
+@needs_kernels
+def test_stack_packs_what_it_can(compiled, tiny_model_factory, monkeypatch):
+    """Building the stack packs the fp32 projections whose K fits the lanes (the Python layers
+    then run packed too) and leaves the others row-major: intermediate 40 keeps down_proj
+    row-major; outputs equal the Python layers either way."""
+    from kvforge.engine.llm import LLM
+    from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod
+    hf_dir, _ = tiny_model_factory("llama", intermediate_size=40)
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4)
+    prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
+    _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4)
+    for layer in llm.engine.runner.model.model.layers:
+        assert type(layer.self_attn.qkv_proj.method) is PackedLinearMethod
+        assert type(layer.mlp.gate_up_proj.method) is PackedLinearMethod
+        assert type(layer.mlp.down_proj.method) is UnquantizedLinearMethod
 
 
 @needs_kernels

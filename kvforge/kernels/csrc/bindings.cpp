@@ -21,6 +21,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // rows linear_rows serves with one pass over W (one register tile of all rows): up to here
   // extra rows cost little on top of reading the weights (spec/decoder.py's row budget)
   m.attr("linear_few_rows_max") = kvforge::kFewRowsMax;
+  m.def("linear_packed", &kvforge::linear_packed_op,
+        "x @ W^T over a packed weight [ceil(out / pack_rows), in / lanes, pack_rows, lanes]",
+        release_gil());
+  m.attr("linear_lanes") = kvforge::kLanes;          // the packed layout's geometry
+  m.attr("linear_pack_rows") = kvforge::kPackRows;
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32)", release_gil());
   m.def("quest_decode", &kvforge::quest_decode,

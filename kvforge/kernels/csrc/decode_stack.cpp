@@ -19,22 +19,33 @@
 namespace kvforge {
 namespace {
 
-// A projection: an fp32 weight [out, in] (+ optional bias) run by our kernels / MKL, or any
-// Python callable x -> y (a quantized Linear module: int8 / int4 / GGUF kernels of its own).
+// A projection: an fp32 weight [out, in] (+ optional bias) run by our kernels / MKL, a packed
+// fp32 weight (a tuple (packed [ceil(out / 8), in / L, 8, L], out); linear.cpp's layout), or
+// any Python callable x -> y (a quantized Linear module: int8 / int4 / GGUF kernels of its own).
 struct Projection {
   at::Tensor weight, bias;
+  at::Tensor packed;
+  int64_t packed_out = 0;
   pybind11::object module;
 
   static Projection from(const pybind11::object& obj, const pybind11::object& bias) {
     Projection p;
-    if (THPVariable_Check(obj.ptr())) {
+    if (pybind11::isinstance<pybind11::tuple>(obj)) {
+      auto t = obj.cast<pybind11::tuple>();
+      TORCH_CHECK(t.size() == 2, "a packed projection is (packed weight, out_features)");
+      p.packed = t[0].cast<at::Tensor>();
+      p.packed_out = t[1].cast<int64_t>();
+      check_fp32_cpu(p.packed, "packed weight");
+      TORCH_CHECK(p.packed.dim() == 4 && p.packed.is_contiguous() && p.packed.size(2) == kPackRows &&
+                      p.packed.size(3) == kLanes &&
+                      p.packed.size(0) == (p.packed_out + kPackRows - 1) / kPackRows,
+                  "packed weight shape");
+      p.set_bias(bias);
+    } else if (THPVariable_Check(obj.ptr())) {
       p.weight = obj.cast<at::Tensor>();
       check_fp32_cpu(p.weight, "weight");
       TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous(), "weights must be contiguous 2-D");
-      if (!bias.is_none()) {
-        at::Tensor b = bias.cast<at::Tensor>();
-        if (b.numel() > 0) p.bias = b;      // an empty tensor: no bias
-      }
+      p.set_bias(bias);
     } else {
       TORCH_CHECK(PyCallable_Check(obj.ptr()), "a projection is an fp32 weight or a callable");
       p.module = obj;
@@ -42,11 +53,20 @@ struct Projection {
     return p;
   }
 
-  int64_t out_features(int64_t fallback) const { return weight.defined() ? weight.size(0) : fallback; }
+  void set_bias(const pybind11::object& b) {
+    if (b.is_none()) return;
+    at::Tensor t = b.cast<at::Tensor>();
+    if (t.numel() > 0) bias = t;            // an empty tensor: no bias
+  }
+
+  int64_t in_features() const { return packed.defined() ? packed.size(1) * kLanes : weight.size(1); }
+  int64_t out_features() const { return packed.defined() ? packed_out : weight.size(0); }
+  bool is_module() const { return !weight.defined() && !packed.defined(); }
 
   NextWeight as_next() const {
-    return weight.defined() ? NextWeight{weight.data_ptr<float>(), weight.size(1), weight.size(0)}
-                            : NextWeight{};
+    if (packed.defined()) return {packed.data_ptr<float>(), in_features(), packed_out, true};
+    if (weight.defined()) return {weight.data_ptr<float>(), weight.size(1), weight.size(0), false};
+    return {};
   }
 
   at::Tensor operator()(const at::Tensor& x, NextWeight next = {}) const {
@@ -54,11 +74,16 @@ struct Projection {
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
-    // the same choices as layers/linear.py: linear_rows up to kLinearRowsMax rows, x @ W^T
+    // the same choices as layers/linear.py: our kernels up to kLinearRowsMax rows, x @ W^T
     // (MKL's packed GEMM) for longer query runs
     at::Tensor y;
     const int64_t rows = x.size(0);
-    if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
+    TORCH_CHECK(x.size(1) == in_features() && x.stride(1) == 1, "projection input width");
+    if (packed.defined()) {   // any rows (past kLinearRowsMax: within ~10% of MKL's GEMM)
+      y = at::empty({rows, packed_out}, x.options());
+      linear_packed(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(),
+                    rows, x.size(1), packed_out, next);
+    } else if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
                   rows, x.size(1), weight.size(0), next);
@@ -97,12 +122,14 @@ class DecodeStack {
         check_fp32_cpu(*p, "norm weight");
         TORCH_CHECK(p->is_contiguous() && p->numel() == hidden_, "norm weight size");
       }
-      TORCH_CHECK(!w.qkv.weight.defined() ||
-                      (w.qkv.weight.size(0) == qkv_out && w.qkv.weight.size(1) == hidden_),
+      TORCH_CHECK(w.qkv.is_module() ||
+                      (w.qkv.out_features() == qkv_out && w.qkv.in_features() == hidden_),
                   "qkv weight shape");
-      TORCH_CHECK(!w.o.weight.defined() ||
-                      (w.o.weight.size(0) == hidden_ && w.o.weight.size(1) == heads * head_dim),
+      TORCH_CHECK(w.o.is_module() ||
+                      (w.o.out_features() == hidden_ && w.o.in_features() == heads * head_dim),
                   "o weight shape");
+      TORCH_CHECK(w.gate_up.is_module() || w.gate_up.in_features() == hidden_, "gate_up shape");
+      TORCH_CHECK(w.down.is_module() || w.down.out_features() == hidden_, "down shape");
       layers_.push_back(std::move(w));
     }
   }

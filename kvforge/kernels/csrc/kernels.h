@@ -121,15 +121,28 @@ void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float
 // from 1 row up, and F.linear wins on long prefill chunks (benchmarks/linear_kernel.py).
 constexpr int64_t kLinearRowsMin = 1;
 constexpr int64_t kLinearRowsMax = 256;
+// Vector lanes of the build (AVX-512: 16, AVX2: 8), rows the few-rows tile serves in one pass
+// over W, and the row group of the packed weight layout (linear.cpp's map).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kFewRowsMax = 8;
+#else
+constexpr int kLanes = 8, kFewRowsMax = 4;
+#endif
+constexpr int kPackRows = 8;
 // The weight a caller multiplies next (nullptr: none or unknown): each thread, done with its
 // share of w, starts pulling its share of the next weight into L2, so the serial work between
 // two projections (norms, rotary, attention) runs while memory keeps streaming.
 struct NextWeight {
   const float* w = nullptr;
   int64_t in = 0, out = 0;
+  bool packed = false;
 };
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out, NextWeight next = {});
+// The same product over a packed weight [ceil(out / 8), in / kLanes, 8, kLanes] (in % kLanes
+// == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
+void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
+                   int64_t in, int64_t out, NextWeight next = {});
 
 struct PagedKV {               // one layer's K or V plane: [num_blocks, block, kv_heads, dim]
   const float* data;
@@ -148,6 +161,7 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor rotary_neox(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight);
+at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);

@@ -22,16 +22,33 @@ namespace kvforge {
 // so a prefetch one tile ahead arrived late and the kernel alternated between computing and
 // waiting (7 rows: 19.4 ms for SmolLM2's 120 projections); two tiles ahead keeps memory busy
 // under the FMAs (15.0 ms, as fast as 1 row: verification rows ride along with the weights).
+//
+// Two weight layouts, one tile code (addr(n, k) = w + n * row_stride + k * k_step):
+//
+//   row-major W[N][K]            row_stride = K,      k_step = 1   (HF layout: a tied LM head,
+//                                                                   any weight we do not own)
+//   packed    P[N/8][K/L][8][L]  row_stride = L,      k_step = 8   (L = lanes; rows padded to 8)
+//
+//        group g (rows 8g..8g+7):  | k 0..L-1: r0 r1 .. r7 | k L..2L-1: r0 r1 .. r7 | ...
+//
+// In the packed layout one k step of an 8-row tile loads 8 adjacent vectors, so a thread reads
+// its share of W as one sequential stream; row-major tiles read 8 streams K floats apart. When
+// the VM's memory runs at ~50 GB/s the sequential stream keeps up with it better (the decode
+// stack's projections: ~0.80 of a t.sum pass vs ~0.72 row-major; at ~30 GB/s both ~0.9).
 namespace {
 
+// Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file; packed
+// tiles take a divisor of the 8-row group (a narrower tile reads part of each group's k step).
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int kLanes = 16, kTileM = 4, kTileN = 6, kFewRowsMax = 8;
+constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 3, kPackedTileN = 8;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
+constexpr int kPackedFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 4, 4, 4, 2, 2};
 #else
 typedef float vreg __attribute__((vector_size(32), aligned(4), may_alias));
-constexpr int kLanes = 8, kTileM = 3, kTileN = 4, kFewRowsMax = 4;
+constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 3, kPackedTileN = 4;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
+constexpr int kPackedFewRowsN[kFewRowsMax + 1] = {0, 8, 4, 4, 2};
 #endif
 typedef float vec8_ __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4_ __attribute__((vector_size(16), aligned(4), may_alias));
@@ -53,24 +70,31 @@ inline float hsum_reg(vreg v) {
   return s[0] + s[1];
 }
 
-// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1]; prefetch: a W tile to pull into L2, or
-// nullptr
-template <int MR, int NR>
+// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1] in either layout (see the header);
+// prefetch: the W tile to pull into L2 meanwhile (packed: the stream kPackedAhead floats on, a
+// whole k step of the group there), or nullptr
+template <int MR, int NR, bool Packed>
 void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t ws,
           float* __restrict y, int64_t ys, int64_t k0, int64_t k1, bool accumulate,
           const float* prefetch) {
+  const int64_t row_stride = Packed ? kLanes : ws, k_step = Packed ? kPackRows : 1;
   vreg acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = vreg{};
-  const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;
+  const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;       // packed: kv == k1
   for (int64_t k = k0; k < kv; k += kLanes) {
     if (prefetch) {
-      for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
+      if (Packed) {       // the group's k step: kPackRows vectors, adjacent
+        const char* p = reinterpret_cast<const char*>(prefetch + k * kPackRows);
+        for (int64_t b = 0; b < kPackRows * kLanes * 4; b += 64) __builtin_prefetch(p + b, 0, 1);
+      } else {
+        for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
+      }
     }
     vreg xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = load_reg(x + m * xs + k);
     for (int n = 0; n < NR; ++n) {
-      vreg wv = load_reg(w + n * ws + k);
+      vreg wv = load_reg(w + n * row_stride + k * k_step);
       asm("" : "+v"(wv));   // one register load feeding MR FMAs (gcc would re-load it per FMA)
       for (int m = 0; m < MR; ++m) acc[m][n] += xv[m] * wv;
     }
@@ -87,19 +111,23 @@ void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int6
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         int64_t, bool, const float*);
 
-template <int MR, int... NRs>
+template <bool Packed, int MR, int... NRs>
 constexpr void fill_row(TileFn* row, std::integer_sequence<int, NRs...>) {
-  ((row[NRs] = &tile<MR, NRs + 1>), ...);
+  ((row[NRs] = &tile<MR, NRs + 1, Packed>), ...);
 }
-template <int... MRs>
+template <bool Packed, int... MRs>
 constexpr void fill_table(TileFn (*fn)[kMaxTile], std::integer_sequence<int, MRs...>) {
-  (fill_row<MRs + 1>(fn[MRs], std::make_integer_sequence<int, kMaxTile>{}), ...);
+  (fill_row<Packed, MRs + 1>(fn[MRs], std::make_integer_sequence<int, kMaxTile>{}), ...);
 }
+template <bool Packed>
 struct TileTable {                        // fn[MR - 1][NR - 1]: edge tiles of any size
   TileFn fn[kMaxTile][kMaxTile];
-  constexpr TileTable() : fn{} { fill_table(fn, std::make_integer_sequence<int, kMaxTile>{}); }
+  constexpr TileTable() : fn{} {
+    fill_table<Packed>(fn, std::make_integer_sequence<int, kMaxTile>{});
+  }
 };
-constexpr TileTable kTiles{};
+constexpr TileTable<false> kTiles{};
+constexpr TileTable<true> kPackedTiles{};
 
 // K is split only when a W tile would not stay in L2 (every split adds a pass of hsums)
 constexpr int64_t kBlockK = 4096;
@@ -107,12 +135,13 @@ constexpr int64_t kBlockK = 4096;
 struct TileShape {
   int m, n;
 };
-inline TileShape tile_shape(int64_t rows) {
-  return rows <= kFewRowsMax ? TileShape{static_cast<int>(rows), kFewRowsN[rows]}
-                             : TileShape{kTileM, kTileN};
+inline TileShape tile_shape(int64_t rows, bool packed) {
+  if (rows <= kFewRowsMax)
+    return {static_cast<int>(rows), packed ? kPackedFewRowsN[rows] : kFewRowsN[rows]};
+  return packed ? TileShape{kPackedTileM, kPackedTileN} : TileShape{kTileM, kTileN};
 }
 
-// columns [n0, n1) of y; n0 is a multiple of the tile width
+// columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width
 void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int64_t rows,
                        int64_t in, int64_t out, int64_t n0, int64_t n1, TileShape shape) {
   for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
@@ -130,11 +159,42 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
     }
   }
 }
+
+// Packed tiles prefetch into L2 this far (in floats) ahead of their loads, along the one
+// stream: 4 KB measured best of 0-64 KB (2 threads, fast and slow memory modes alike; the
+// row-major tiles want two whole tiles, ~36 KB, of distance, see above).
+constexpr int64_t kPackedAhead = 4096 / 4;
+
+// groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
+// in tiles of shape.n of its rows, the first of which prefetches kPackedAhead floats ahead
+void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
+                         int64_t in, int64_t out, int64_t g0, int64_t g1, TileShape shape) {
+  const int64_t group_floats = kPackRows * in;
+  for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
+    const int64_t k1 = std::min(in, k0 + kBlockK);
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* group = p + g * group_floats;
+      const int64_t valid = std::min<int64_t>(kPackRows, out - g * kPackRows);
+      for (int64_t j = 0; j < valid; j += shape.n) {
+        const int nr = static_cast<int>(std::min<int64_t>(shape.n, valid - j));
+        for (int64_t m = 0; m < rows; m += shape.m) {
+          const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
+          const float* ahead = (j == 0 && m == 0 && g + 1 < g1) ? group + kPackedAhead
+                                                                : nullptr;
+          kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kLanes, in,
+                                          y + m * out + g * kPackRows + j, out, k0, k1, k0 > 0,
+                                          ahead);
+        }
+      }
+    }
+  }
+}
 }  // namespace
 
-// Tasks of whole tiles, >= ~16K floats of W each, so small layers do not pay for waking threads.
-inline int64_t linear_grain(int64_t in, TileShape shape) {
-  return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * shape.n, 1));
+// Tasks of whole units (tiles, or packed groups) of `unit_rows` rows, >= ~16K floats of W each,
+// so small layers do not pay for waking threads.
+inline int64_t linear_grain(int64_t in, int64_t unit_rows) {
+  return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * unit_rows, 1));
 }
 
 // Bytes of the next weight each thread pulls into L2 at the end of its share: about what one
@@ -142,17 +202,19 @@ inline int64_t linear_grain(int64_t in, TileShape shape) {
 constexpr int64_t kNextPrefetchBytes = 128 * 1024;
 
 // The calling thread's share of `next` as at::parallel_for will hand it out (OpenMP backend:
-// min(threads, tasks) threads, ceil(tiles / threads) tiles each, thread i the i-th run), its
-// first kNextPrefetchBytes prefetched into L2. A wrong guess only wastes the hint.
-void prefetch_next_share(const NextWeight& next, TileShape shape) {
-  const int64_t tiles = (next.out + shape.n - 1) / shape.n;
-  const int64_t grain = linear_grain(next.in, shape);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
+// min(threads, tasks) threads, ceil(units / threads) units each, thread i the i-th run), its
+// first kNextPrefetchBytes prefetched into L2. Rows [r0, r1) of either layout are the floats
+// [r0 * in, r1 * in) when r0, r1 are whole units. A wrong guess only wastes the hint.
+void prefetch_next_share(const NextWeight& next, int64_t rows) {
+  const int64_t unit_rows = next.packed ? kPackRows : tile_shape(rows, false).n;
+  const int64_t units = (next.out + unit_rows - 1) / unit_rows;
+  const int64_t grain = linear_grain(next.in, unit_rows);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
   const int64_t tid = at::get_thread_num();
   if (tid >= threads) return;
-  const int64_t chunk = (tiles + threads - 1) / threads;
-  const int64_t row0 = std::min(next.out, tid * chunk * shape.n);
-  const int64_t row1 = std::min(next.out, (tid + 1) * chunk * shape.n);
+  const int64_t chunk = (units + threads - 1) / threads;
+  const int64_t row0 = std::min(next.out, tid * chunk * unit_rows);
+  const int64_t row1 = std::min(next.out, (tid + 1) * chunk * unit_rows);
   const char* p = reinterpret_cast<const char*>(next.w + row0 * next.in);
   const int64_t bytes = std::min<int64_t>(kNextPrefetchBytes, (row1 - row0) * next.in * 4);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
@@ -160,12 +222,22 @@ void prefetch_next_share(const NextWeight& next, TileShape shape) {
 
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out, NextWeight next) {
-  const TileShape shape = tile_shape(rows);
+  const TileShape shape = tile_shape(rows, false);
   const int64_t num_tiles = (out + shape.n - 1) / shape.n;
-  at::parallel_for(0, num_tiles, linear_grain(in, shape), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, num_tiles, linear_grain(in, shape.n), [&](int64_t t0, int64_t t1) {
     linear_rows_range(x, xs, w, y, rows, in, out, t0 * shape.n, std::min(out, t1 * shape.n),
                       shape);
-    if (next.w != nullptr) prefetch_next_share(next, shape);
+    if (next.w != nullptr) prefetch_next_share(next, rows);
+  });
+}
+
+void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
+                   int64_t in, int64_t out, NextWeight next) {
+  const TileShape shape = tile_shape(rows, true);
+  const int64_t groups = (out + kPackRows - 1) / kPackRows;
+  at::parallel_for(0, groups, linear_grain(in, kPackRows), [&](int64_t g0, int64_t g1) {
+    linear_packed_range(x, xs, packed, y, rows, in, out, g0, g1, shape);
+    if (next.w != nullptr) prefetch_next_share(next, rows);
   });
 }
 
@@ -181,4 +253,20 @@ at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight) {
   return y;
 }
 
+at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features) {
+  check_fp32_cpu(x, "x");
+  check_fp32_cpu(packed, "packed weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1,
+              "x must be [rows >= 1, in] with contiguous rows");
+  const int64_t in = x.size(1), groups = (out_features + kPackRows - 1) / kPackRows;
+  TORCH_CHECK(out_features >= 1 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == groups && packed.size(1) * kLanes == in &&
+                  packed.size(2) == kPackRows && packed.size(3) == kLanes,
+              "packed weight must be [ceil(out / ", kPackRows, "), in / ", kLanes, ", ",
+              kPackRows, ", ", kLanes, "] for in = ", in, ", out = ", out_features);
+  auto y = at::empty({x.size(0), out_features}, x.options());
+  linear_packed(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(),
+                x.size(0), in, out_features);
+  return y;
+}
 }  // namespace kvforge
