@@ -63,13 +63,7 @@ struct Projection {
   int64_t out_features() const { return packed.defined() ? packed_out : weight.size(0); }
   bool is_module() const { return !weight.defined() && !packed.defined(); }
 
-  NextWeight as_next() const {
-    if (packed.defined()) return {packed.data_ptr<float>(), in_features(), packed_out, true};
-    if (weight.defined()) return {weight.data_ptr<float>(), weight.size(1), weight.size(0), false};
-    return {};
-  }
-
-  at::Tensor operator()(const at::Tensor& x, NextWeight next = {}) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (module) {       // forward() runs without the GIL (see bindings): take it for Python
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
@@ -82,11 +76,11 @@ struct Projection {
     if (packed.defined()) {   // any rows (past kLinearRowsMax: within ~10% of MKL's GEMM)
       y = at::empty({rows, packed_out}, x.options());
       linear_packed(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(),
-                    rows, x.size(1), packed_out, next);
+                    rows, x.size(1), packed_out);
     } else if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
-                  rows, x.size(1), weight.size(0), next);
+                  rows, x.size(1), weight.size(0));
     } else {
       y = at::linear(x, weight);
     }
@@ -189,8 +183,7 @@ class DecodeStack {
                           w.ln1.data_ptr<float>(), h.data_ptr<float>(),
                           residual.data_ptr<float>(), n, hidden_, eps_);
       }
-      // each projection starts pulling the next one's weights (see NextWeight)
-      at::Tensor qkv = w.qkv(h, w.o.as_next());
+      at::Tensor qkv = w.qkv(h);
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_row && qkv.stride(1) == 1, "qkv output");
       float* qkv_p = qkv.data_ptr<float>();
       const int64_t qkv_stride = qkv.stride(0);
@@ -208,18 +201,18 @@ class DecodeStack {
                            head_dim_};
       decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
                        heads_, kv_heads_, scale_, attn.data_ptr<float>());
-      at::Tensor o = w.o(attn, w.gate_up.as_next());
+      at::Tensor o = w.o(attn);
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
       add_rms_norm_rows(o.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
                         w.ln2.data_ptr<float>(), h.data_ptr<float>(), residual.data_ptr<float>(),
                         n, hidden_, eps_);
-      at::Tensor gate_up = w.gate_up(h, w.down.as_next());
+      at::Tensor gate_up = w.gate_up(h);
       TORCH_CHECK(gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, "gate_up output");
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({n, inter}, hidden.options());
       silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
                         inter);
-      x = w.down(act, l + 1 < layers_.size() ? layers_[l + 1].qkv.as_next() : NextWeight{});
+      x = w.down(act);
       TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous(), "down_proj output");
     }
     at::Tensor out = at::empty_like(hidden);

@@ -129,20 +129,12 @@ constexpr int kLanes = 16, kFewRowsMax = 8;
 constexpr int kLanes = 8, kFewRowsMax = 4;
 #endif
 constexpr int kPackRows = 8;
-// The weight a caller multiplies next (nullptr: none or unknown): each thread, done with its
-// share of w, starts pulling its share of the next weight into L2, so the serial work between
-// two projections (norms, rotary, attention) runs while memory keeps streaming.
-struct NextWeight {
-  const float* w = nullptr;
-  int64_t in = 0, out = 0;
-  bool packed = false;
-};
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
-                 int64_t out, NextWeight next = {});
+                 int64_t out);
 // The same product over a packed weight [ceil(out / 8), in / kLanes, 8, kLanes] (in % kLanes
 // == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
-                   int64_t in, int64_t out, NextWeight next = {});
+                   int64_t in, int64_t out);
 
 struct PagedKV {               // one layer's K or V plane: [num_blocks, block, kv_heads, dim]
   const float* data;

@@ -32,9 +32,11 @@ namespace kvforge {
 //        group g (rows 8g..8g+7):  | k 0..L-1: r0 r1 .. r7 | k L..2L-1: r0 r1 .. r7 | ...
 //
 // In the packed layout one k step of an 8-row tile loads 8 adjacent vectors, so a thread reads
-// its share of W as one sequential stream; row-major tiles read 8 streams K floats apart. When
-// the VM's memory runs at ~50 GB/s the sequential stream keeps up with it better (the decode
-// stack's projections: ~0.80 of a t.sum pass vs ~0.72 row-major; at ~30 GB/s both ~0.9).
+// its share of W as one sequential stream; row-major tiles read 8 streams K floats apart.
+// SmolLM2's 120 decode projections at 1 row, as a fraction of a t.sum pass measured around
+// them: packed 0.78-0.80 vs row-major 0.70 when the VM's memory runs at ~45-50 GB/s, 0.91 vs
+// 0.87 at ~30 GB/s. With the packed stream, also prefetching each thread's share of the *next*
+// projection at the end of its share (tried: 32-512 KB) made the decode stack slower, not faster.
 namespace {
 
 // Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file; packed
@@ -197,47 +199,22 @@ inline int64_t linear_grain(int64_t in, int64_t unit_rows) {
   return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * unit_rows, 1));
 }
 
-// Bytes of the next weight each thread pulls into L2 at the end of its share: about what one
-// thread streams during the serial work between two projections (~10-40 us).
-constexpr int64_t kNextPrefetchBytes = 128 * 1024;
-
-// The calling thread's share of `next` as at::parallel_for will hand it out (OpenMP backend:
-// min(threads, tasks) threads, ceil(units / threads) units each, thread i the i-th run), its
-// first kNextPrefetchBytes prefetched into L2. Rows [r0, r1) of either layout are the floats
-// [r0 * in, r1 * in) when r0, r1 are whole units. A wrong guess only wastes the hint.
-void prefetch_next_share(const NextWeight& next, int64_t rows) {
-  const int64_t unit_rows = next.packed ? kPackRows : tile_shape(rows, false).n;
-  const int64_t units = (next.out + unit_rows - 1) / unit_rows;
-  const int64_t grain = linear_grain(next.in, unit_rows);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
-  const int64_t tid = at::get_thread_num();
-  if (tid >= threads) return;
-  const int64_t chunk = (units + threads - 1) / threads;
-  const int64_t row0 = std::min(next.out, tid * chunk * unit_rows);
-  const int64_t row1 = std::min(next.out, (tid + 1) * chunk * unit_rows);
-  const char* p = reinterpret_cast<const char*>(next.w + row0 * next.in);
-  const int64_t bytes = std::min<int64_t>(kNextPrefetchBytes, (row1 - row0) * next.in * 4);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
-}
-
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
-                 int64_t out, NextWeight next) {
+                 int64_t out) {
   const TileShape shape = tile_shape(rows, false);
   const int64_t num_tiles = (out + shape.n - 1) / shape.n;
   at::parallel_for(0, num_tiles, linear_grain(in, shape.n), [&](int64_t t0, int64_t t1) {
     linear_rows_range(x, xs, w, y, rows, in, out, t0 * shape.n, std::min(out, t1 * shape.n),
                       shape);
-    if (next.w != nullptr) prefetch_next_share(next, rows);
   });
 }
 
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
-                   int64_t in, int64_t out, NextWeight next) {
+                   int64_t in, int64_t out) {
   const TileShape shape = tile_shape(rows, true);
   const int64_t groups = (out + kPackRows - 1) / kPackRows;
   at::parallel_for(0, groups, linear_grain(in, kPackRows), [&](int64_t g0, int64_t g1) {
     linear_packed_range(x, xs, packed, y, rows, in, out, g0, g1, shape);
-    if (next.w != nullptr) prefetch_next_share(next, rows);
   });
 }
 
