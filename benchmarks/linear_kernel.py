@@ -5,8 +5,9 @@
 Per M, the time of all 120 decoder projections (30 layers x q|k|v 576->960, o 576->576,
 gate|up 576->3072, down 1536->576; random weights, the kernels' speed does not depend on values)
 for: ``F.linear`` (x W^T), ``(W @ x^T)^T`` (MKL with the weight as the left operand; for M = 1
-the row duplicated: the 2-column GEMM that reads W once), and the compiled ``linear_rows``
-kernel (kvforge/kernels/csrc/linear.cpp). Methods run round-robin in the same process, best of
+the row duplicated: the 2-column GEMM that reads W once), the compiled ``linear_rows`` kernel
+on the row-major weights and ``linear_packed`` on the packed ones (the layout the decode stack
+runs; kvforge/kernels/csrc/linear.cpp). Methods run round-robin in the same process, best of
 ``--rounds``; GB/s = weight bytes / time, GFLOP/s = 2 M params / time. These runs set
 ``LINEAR_ROWS_MIN``/``LINEAR_ROWS_MAX`` in kvforge/kernels/ops.py. Ends with one
 ``SUMMARY linear_kernel:`` line.
@@ -40,13 +41,14 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     threads = setup_threads(args.threads)
-    from kvforge.kernels import cpu_kernels
+    from kvforge.kernels import cpu_kernels, ops
     kernels = cpu_kernels()
     if kernels is None:
         sys.exit("the compiled kernels are not available here (see the log); nothing to compare")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=g) * 0.05
                for inp, out in LAYER_SHAPES for _ in range(NUM_LAYERS)]
+    packed = [ops.pack_linear_weight(w) for w in weights]
     weight_bytes = sum(w.numel() * 4 for w in weights)
     params = sum(w.numel() for w in weights)
 
@@ -62,7 +64,12 @@ def main(argv=None) -> None:
 
         def kernel():
             return [kernels.linear_rows(xs[w.shape[1]], w) for w in weights]
-        return {"F.linear": linear, "(W @ x^T)^T": w_first, "kvforge": kernel}
+
+        def kernel_packed():
+            return [kernels.linear_packed(xs[w.shape[1]], p, w.shape[0])
+                    for w, p in zip(weights, packed)]
+        return {"F.linear": linear, "(W @ x^T)^T": w_first, "kvforge": kernel,
+                "kvforge packed": kernel_packed}
 
     rows, summary = [], []
     for m in args.rows:
@@ -77,15 +84,16 @@ def main(argv=None) -> None:
                 fn()
                 times[name] = min(times[name], time.perf_counter() - start)
         mkl = min(times["F.linear"], times["(W @ x^T)^T"])
-        ours = times["kvforge"]
+        ours = times["kvforge packed"]
         rows.append([m] + [f"{times[n] * 1e3:.1f}" for n in fns]
                     + [f"{weight_bytes / ours / 1e9:.1f}", f"{2 * params * m / ours / 1e9:.0f}",
-                       f"{mkl / ours:.2f}x"])
+                       f"{mkl / ours:.2f}x", f"{times['kvforge'] / ours:.2f}x"])
         summary.append(f"M={m} {mkl / ours:.2f}x")
-    print(format_table(["M", "F.linear ms", "(W@x^T)^T ms", "kvforge ms", "kvforge GB/s",
-                        "kvforge GFLOP/s", "best MKL / kvforge"], rows))
+    print(format_table(["M", "F.linear ms", "(W@x^T)^T ms", "kvforge ms", "packed ms",
+                        "packed GB/s", "packed GFLOP/s", "best MKL / packed",
+                        "row-major / packed"], rows))
     print(hardware_line() + f" | threads {threads}")
-    print("SUMMARY linear_kernel: speed-up vs the faster MKL form: " + ", ".join(summary))
+    print("SUMMARY linear_kernel: packed kernel speed-up vs the faster MKL form: " + ", ".join(summary))
 
 
 if __name__ == "__main__":

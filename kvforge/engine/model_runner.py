@@ -47,6 +47,9 @@ class ModelRunner:
                                 attn_backend=config.attention_backend, dtype=self.dtype,
                                 device=self.device)
         self.model.eval()
+        # the decode stack's weight layout (kernels/decode_stack.py): packed for 1-4 rows per
+        # step, row-major when speculation verifies up to 8
+        self.model.pack_decode_weights = config.speculative_method in (None, "none")
         configure_long_context(self.model, config)    # QUEST budget + layer indices (if any)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)

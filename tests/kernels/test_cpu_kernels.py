@@ -362,6 +362,10 @@ def test_stack_runs_short_prefills_and_verification_like_python_layers(compiled,
         _greedy(llm, prompts, max_tokens=16)
     assert max(seen) > 1                                   # multi-token runs happened
     _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4, max_tokens=16)
+    # verification runs up to 8 rows a step, where row-major tiles are faster: not packed
+    from kvforge.layers.linear import UnquantizedLinearMethod
+    assert all(type(layer.self_attn.qkv_proj.method) is UnquantizedLinearMethod
+               for layer in model.model.layers)
 
 
 @needs_kernels

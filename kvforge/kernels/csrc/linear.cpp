@@ -39,18 +39,21 @@ namespace kvforge {
 // projection at the end of its share (tried: 32-512 KB) made the decode stack slower, not faster.
 namespace {
 
-// Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file; packed
-// tiles take a divisor of the 8-row group (a narrower tile reads part of each group's k step).
+// Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file (the
+// packed 4 x 8 tile is 5 over with AVX-512: gcc folds x loads into the FMAs, and it still ran
+// fastest). Packed tiles span a whole group and take up to 4 rows at a time: narrower tiles read
+// each group in partial passes, which measured slower (SmolLM2's 120 projections at 8 rows:
+// 2-wide 24.5 ms, 3-wide 23.0, 3 + 3 + 2 rows x 8 wide 20.2, 4 + 4 rows 18.9; row-major 16.3).
+// So for 5-8 rows row-major wins (the decode stack keeps it when speculation verifies 8 rows);
+// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster.
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 3, kPackedTileN = 8;
+constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 4, kPackedTileN = 8;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
-constexpr int kPackedFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 4, 4, 4, 2, 2};
 #else
 typedef float vreg __attribute__((vector_size(32), aligned(4), may_alias));
-constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 3, kPackedTileN = 4;
+constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 2, kPackedTileN = 8;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
-constexpr int kPackedFewRowsN[kFewRowsMax + 1] = {0, 8, 4, 4, 2};
 #endif
 typedef float vec8_ __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4_ __attribute__((vector_size(16), aligned(4), may_alias));
@@ -73,8 +76,8 @@ inline float hsum_reg(vreg v) {
 }
 
 // y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1] in either layout (see the header);
-// prefetch: the W tile to pull into L2 meanwhile (packed: the stream kPackedAhead floats on, a
-// whole k step of the group there), or nullptr
+// prefetch: the W tile to pull into L2 meanwhile (packed: this tile's rows kPackedAhead floats
+// on along the stream), or nullptr
 template <int MR, int NR, bool Packed>
 void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t ws,
           float* __restrict y, int64_t ys, int64_t k0, int64_t k1, bool accumulate,
@@ -86,9 +89,9 @@ void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int6
   const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;       // packed: kv == k1
   for (int64_t k = k0; k < kv; k += kLanes) {
     if (prefetch) {
-      if (Packed) {       // the group's k step: kPackRows vectors, adjacent
+      if (Packed) {       // this tile's NR adjacent vectors of a k step further on
         const char* p = reinterpret_cast<const char*>(prefetch + k * kPackRows);
-        for (int64_t b = 0; b < kPackRows * kLanes * 4; b += 64) __builtin_prefetch(p + b, 0, 1);
+        for (int64_t b = 0; b < NR * kLanes * 4; b += 64) __builtin_prefetch(p + b, 0, 1);
       } else {
         for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
       }
@@ -138,9 +141,12 @@ struct TileShape {
   int m, n;
 };
 inline TileShape tile_shape(int64_t rows, bool packed) {
-  if (rows <= kFewRowsMax)
-    return {static_cast<int>(rows), packed ? kPackedFewRowsN[rows] : kFewRowsN[rows]};
-  return packed ? TileShape{kPackedTileM, kPackedTileN} : TileShape{kTileM, kTileN};
+  if (packed)   // one row alone takes a whole group with either register file
+    return rows == 1 ? TileShape{1, kPackRows}
+                     : TileShape{static_cast<int>(std::min<int64_t>(rows, kPackedTileM)),
+                                 kPackedTileN};
+  if (rows <= kFewRowsMax) return {static_cast<int>(rows), kFewRowsN[rows]};
+  return {kTileM, kTileN};
 }
 
 // columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width
@@ -168,7 +174,7 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
 constexpr int64_t kPackedAhead = 4096 / 4;
 
 // groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
-// in tiles of shape.n of its rows, the first of which prefetches kPackedAhead floats ahead
+// in tiles of shape.n of its rows
 void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
                          int64_t in, int64_t out, int64_t g0, int64_t g1, TileShape shape) {
   const int64_t group_floats = kPackRows * in;
@@ -181,8 +187,10 @@ void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, i
         const int nr = static_cast<int>(std::min<int64_t>(shape.n, valid - j));
         for (int64_t m = 0; m < rows; m += shape.m) {
           const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
-          const float* ahead = (j == 0 && m == 0 && g + 1 < g1) ? group + kPackedAhead
-                                                                : nullptr;
+          // every tile of the first row tile prefetches its own rows' lines, so memory
+          // streams through all of a group's passes (a narrow tile reads part of each k step)
+          const float* ahead = (m == 0 && g + 1 < g1) ? group + j * kLanes + kPackedAhead
+                                                      : nullptr;
           kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kLanes, in,
                                           y + m * out + g * kPackRows + j, out, k0, k1, k0 > 0,
                                           ahead);
