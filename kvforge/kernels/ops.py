@@ -117,6 +117,13 @@ def packed_layout() -> tuple[int, int] | None:
     return None if ops is None else (int(ops.linear_pack_rows), int(ops.linear_lanes))
 
 
+def packing_pays() -> bool:
+    """Whether this build's packed tiles beat its row-major ones at decode's 1-4 rows: yes with
+    AVX-512, no with AVX2 (its 16 registers spill the packed tile; csrc/linear.cpp)."""
+    ops = cpu_kernels()
+    return ops is not None and bool(ops.linear_packing_pays)
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [N, K] in the packed layout, or None when the kernel cannot take it (no
     compiled kernels, not fp32 on CPU, K not a multiple of the lanes)."""

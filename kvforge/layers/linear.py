@@ -131,10 +131,11 @@ class PackedLinearMethod(LinearMethod):
 
 def pack_linear(layer: "Linear") -> bool:
     """Convert a loaded fp32 CPU ``layer`` with the plain method to ``PackedLinearMethod`` in
-    place (the row-major weight is freed). True when the layer is packed (now or before)."""
+    place (the row-major weight is freed) where this build's packed kernel is the faster one.
+    True when the layer is packed (now or before)."""
     if type(layer.method) is PackedLinearMethod:
         return True
-    if type(layer.method) is not UnquantizedLinearMethod:
+    if type(layer.method) is not UnquantizedLinearMethod or not kernel_ops.packing_pays():
         return False
     packed = kernel_ops.pack_linear_weight(layer.weight)
     if packed is None:

@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.attr("linear_lanes") = kvforge::kLanes;          // the packed layout's geometry
   m.attr("linear_pack_rows") = kvforge::kPackRows;
+  m.attr("linear_packing_pays") = kvforge::kPackingPays;   // whether layers should be packed
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32)", release_gil());
   m.def("quest_decode", &kvforge::quest_decode,

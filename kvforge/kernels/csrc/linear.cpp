@@ -45,14 +45,18 @@ namespace {
 // each group in partial passes, which measured slower (SmolLM2's 120 projections at 8 rows:
 // 2-wide 24.5 ms, 3-wide 23.0, 3 + 3 + 2 rows x 8 wide 20.2, 4 + 4 rows 18.9; row-major 16.3).
 // So for 5-8 rows row-major wins (the decode stack keeps it when speculation verifies 8 rows);
-// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster.
+// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster. With
+// AVX2's 16 registers the packed 2 x 8 tile spills: no faster at 1-2 rows, 0.7-0.8x from 4, so
+// those builds do not pack (kPackingPays; the kernel still runs a packed weight it is given).
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
 constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 4, kPackedTileN = 8;
+constexpr bool kPackingPays = true;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
 #else
 typedef float vreg __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 2, kPackedTileN = 8;
+constexpr bool kPackingPays = false;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
 #endif
 typedef float vec8_ __attribute__((vector_size(32), aligned(4), may_alias));
