@@ -10,8 +10,9 @@
 //   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
 //   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
 //
-// Weights are the model's own tensors (no copies). fp32 GEMMs of kLinearRowsMin..kLinearRowsMax
-// rows use linear_rows (register tiles), others MKL like the Python path; a quantized
+// Weights are the model's own tensors (no copies). Packed fp32 weights (layers/linear.py's
+// PackedLinearMethod) run linear_packed at any rows; row-major ones linear_rows (register
+// tiles) for kLinearRowsMin..kLinearRowsMax rows, MKL beyond like the Python path; a quantized
 // projection is called back as its Python module (its own int8/int4 kernel), and everything
 // between the projections still runs here.
 #include "kernels.h"
@@ -35,11 +36,8 @@ struct Projection {
       TORCH_CHECK(t.size() == 2, "a packed projection is (packed weight, out_features)");
       p.packed = t[0].cast<at::Tensor>();
       p.packed_out = t[1].cast<int64_t>();
-      check_fp32_cpu(p.packed, "packed weight");
-      TORCH_CHECK(p.packed.dim() == 4 && p.packed.is_contiguous() && p.packed.size(2) == kPackRows &&
-                      p.packed.size(3) == kLanes &&
-                      p.packed.size(0) == (p.packed_out + kPackRows - 1) / kPackRows,
-                  "packed weight shape");
+      TORCH_CHECK(p.packed.dim() == 4, "packed weight must be 4-D");
+      check_packed_weight(p.packed, p.packed.size(1) * kLanes, p.packed_out);
       p.set_bias(bias);
     } else if (THPVariable_Check(obj.ptr())) {
       p.weight = obj.cast<at::Tensor>();

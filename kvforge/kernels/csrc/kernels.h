@@ -135,6 +135,8 @@ void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t r
 // == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out);
+// throws unless `packed` is an fp32 weight [out, in] in that layout
+void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out);
 
 struct PagedKV {               // one layer's K or V plane: [num_blocks, block, kv_heads, dim]
   const float* data;

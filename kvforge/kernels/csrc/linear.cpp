@@ -242,17 +242,22 @@ at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight) {
   return y;
 }
 
+void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out) {
+  check_fp32_cpu(packed, "packed weight");
+  TORCH_CHECK(out >= 1 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == (out + kPackRows - 1) / kPackRows &&
+                  packed.size(1) * kLanes == in && packed.size(2) == kPackRows &&
+                  packed.size(3) == kLanes,
+              "packed weight must be [ceil(out / ", kPackRows, "), in / ", kLanes, ", ",
+              kPackRows, ", ", kLanes, "] for in = ", in, ", out = ", out);
+}
+
 at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features) {
   check_fp32_cpu(x, "x");
-  check_fp32_cpu(packed, "packed weight");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1,
               "x must be [rows >= 1, in] with contiguous rows");
-  const int64_t in = x.size(1), groups = (out_features + kPackRows - 1) / kPackRows;
-  TORCH_CHECK(out_features >= 1 && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == groups && packed.size(1) * kLanes == in &&
-                  packed.size(2) == kPackRows && packed.size(3) == kLanes,
-              "packed weight must be [ceil(out / ", kPackRows, "), in / ", kLanes, ", ",
-              kPackRows, ", ", kLanes, "] for in = ", in, ", out = ", out_features);
+  const int64_t in = x.size(1);
+  check_packed_weight(packed, in, out_features);
   auto y = at::empty({x.size(0), out_features}, x.options());
   linear_packed(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(),
                 x.size(0), in, out_features);
