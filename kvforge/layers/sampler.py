@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.engine.request import Request
+from kvforge.kernels import ops as kernel_ops
 
 # Below this temperature a row is treated as greedy: dividing logits by it would overflow.
 _GREEDY_TEMPERATURE = 1e-5
@@ -296,7 +297,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
                 generator=gen).to(q.device)
     # q == 0 has probability ~0 but would make probs / q infinite (or NaN at a masked token)
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    return kernel_ops.argmax_last_dim(probs / q)
 
 
 class Sampler:
@@ -313,7 +314,7 @@ class Sampler:
 
         if not batch.no_penalties or batch.min_tokens_rows is not None:
             logits = apply_penalties(logits, batch)
-        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if batch.all_random else kernel_ops.argmax_last_dim(logits)
         if batch.all_greedy:
             sampled = greedy_ids
         else:

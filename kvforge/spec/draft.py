@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels import ops as kernel_ops
 from kvforge.layers.sampler import SamplingBatch, exponential_race, sampling_probs
 from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.base import DraftProposer
@@ -118,7 +119,7 @@ class ModelDraftProposer(DraftProposer):
     def _sample(self, hidden: torch.Tensor, batch: SamplingBatch, rows_of: list[int],
                 drafts: list[list[int]], q_rows: list[list[torch.Tensor]]) -> None:
         logits = self.model.compute_logits(hidden).float()
-        tokens = logits.argmax(dim=-1)
+        tokens = kernel_ops.argmax_last_dim(logits)
         if not batch.all_greedy:
             probs = sampling_probs(logits, batch)
             sampled = exponential_race(probs, batch.generators)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.engine.request import Request
+from kvforge.kernels import ops as kernel_ops
 from kvforge.layers.sampler import SamplingBatch, exponential_race, sampling_probs
 
 
@@ -43,7 +44,7 @@ def verify_proposals(logits: torch.Tensor, requests: list[Request], drafts: list
     logits = logits.float()
     row_requests = [r for r, c in zip(requests, counts) for _ in range(c)]
     batch = SamplingBatch.from_requests(row_requests, logits.shape[1], logits.device)
-    target_argmax = logits.argmax(dim=-1).tolist()
+    target_argmax = kernel_ops.argmax_last_dim(logits).tolist()
     probs = None if batch.all_greedy else sampling_probs(logits, batch)
 
     results: list[list[int]] = []

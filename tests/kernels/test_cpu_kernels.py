@@ -106,6 +106,30 @@ def test_linear_rows_dispatch_range(compiled):
 
 
 @needs_kernels
+@pytest.mark.parametrize("cols", [1, 5, 16, 47, 49152])
+def test_argmax_rows_matches_torch(compiled, cols):
+    """First index of the maximum (ties in lanes, blocks and the tail), -inf rows, and the
+    first NaN, exactly as torch.argmax; strided rows."""
+    g = torch.Generator().manual_seed(cols)
+    wide = torch.randn(9, cols + 3, generator=g)
+    x = wide[:, 1:1 + cols]
+    x[1] = 0.5                                               # all equal: index 0
+    x[2] = float("-inf")
+    if cols > 3:
+        x[3, [2, cols - 1]] = 9.0                            # a tie: the first wins
+        x[4, [cols - 1, cols - 2]] = 9.0                     # a tie in the tail / last block
+        x[5, 1] = float("nan")
+        x[5, cols - 1] = float("nan")                        # the first NaN
+        x[6, 0] = float("inf")
+    if cols > 33:
+        x[7, [17, 33]] = 9.0                                 # same lane, blocks 1 and 2
+        x[8, [18, 33]] = 9.0                                 # other lanes: lower index wins
+    assert torch.equal(compiled.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_last_dim(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_last_dim(x.double()), x.double().argmax(dim=-1))   # fallback
+
+
+@needs_kernels
 @pytest.mark.parametrize("shape", [(960, 576), (13, 32), (3, 16), (37, 4112)])  # pad, K blocks
 def test_packed_layout_round_trip(compiled, shape):
     """packed[g, kb, j] = W[8g + j, kb*L:(kb+1)*L], rows padded with zeros to a whole group."""

@@ -4,6 +4,7 @@
 // torch headers dominate compile time, so one unit builds ~3x faster than one per file.
 #include "kernels.h"
 
+#include "argmax.cpp"
 #include "attention.cpp"
 #include "decode_stack.cpp"
 #include "elementwise.cpp"
@@ -16,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &kvforge::add_rms_norm, "residual add + RMSNorm (fp32)", release_gil());
   m.def("silu_and_mul", &kvforge::silu_and_mul, "SwiGLU activation (fp32)", release_gil());
   m.def("rotary_neox", &kvforge::rotary_neox, "NeoX rotary embedding (fp32)", release_gil());
+  m.def("argmax_rows", &kvforge::argmax_rows, "first index of each row's maximum (fp32)",
+        release_gil());
   m.def("linear_rows", &kvforge::linear_rows_op, "x @ W^T, register-tiled (fp32)",
         release_gil());
   // rows linear_rows serves with one pass over W (one register tile of all rows): up to here

@@ -154,6 +154,7 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
                                      at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor rotary_neox(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight);
 at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
