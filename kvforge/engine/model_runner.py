@@ -35,6 +35,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
+    _last_sampling: tuple[list[Request], SamplingBatch] | None = None
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
@@ -142,7 +143,7 @@ class ModelRunner:
         rows = (hidden if sample_rows == list(range(hidden.shape[0]))
                 else hidden[torch.tensor(sample_rows, device=self.device)])
         logits = self.model.compute_logits(rows)
-        batch = SamplingBatch.from_requests(sample_reqs, logits.shape[-1], self.device)
+        batch = self._sampling_batch(sample_reqs, logits.shape[-1])
         result = self.sampler(logits, batch)
         tokens = result.sampled_token_ids.tolist()
         for j, req in enumerate(sample_reqs):
@@ -156,6 +157,20 @@ class ModelRunner:
                     continue
                 out.logprobs[req.request_id] = {t: v for t, v in zip(lp_ids[j][:k + 1], lp[j][:k + 1])}
         return out
+
+    def _sampling_batch(self, requests: list[Request], vocab_size: int) -> SamplingBatch:
+        """The last step's batch again when it samples for the same requests and nothing in it
+        depends on their outputs (decode steps of a steady batch), else a new one."""
+        if self._last_sampling is not None:
+            # the same Request objects (held here, so never a recycled id), in the same rows
+            last_requests, last = self._last_sampling
+            if (last.reusable and last.vocab_size == vocab_size
+                    and len(last_requests) == len(requests)
+                    and all(a is b for a, b in zip(last_requests, requests))):
+                return last
+        batch = SamplingBatch.from_requests(requests, vocab_size, self.device)
+        self._last_sampling = (list(requests), batch)
+        return batch
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, row0: int, start: int,
                          n: int) -> list[dict[int, float] | None]:

@@ -81,6 +81,12 @@ class SamplingBatch:
         return len(self.generators)
 
     @property
+    def reusable(self) -> bool:
+        """Nothing in this batch depends on the requests' outputs (no penalties, every row past
+        its min_tokens), so the next step of the same requests may sample with it again."""
+        return self.no_penalties and self.min_tokens_rows is None
+
+    @property
     def max_num_logprobs(self) -> int | None:
         asked = [k for k in self.num_logprobs if k is not None]
         return max(asked) if asked else None
