@@ -61,6 +61,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.sampler = Sampler()
+        # the compiled decode stack now, with the model configured (long context, layout), so
+        # packing its weights is not the first request's wait
+        if hasattr(self.model, "decode_stack"):
+            self.model.decode_stack()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)

@@ -68,7 +68,7 @@ def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def argmax_last_dim(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of a [rows, vocab] tensor: the first index of each row's
     maximum (a NaN counts as the maximum). fp32 CPU rows take the compiled kernel (torch's CPU
-    argmax is a scalar loop: ~85 us per 49k-entry row, the kernel ~10 us)."""
+    argmax is a scalar loop: ~60-85 us per 49k-entry row, the kernel ~7 us)."""
     if logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
         ops = _kernel_for(logits)
         if ops is not None:

@@ -146,13 +146,19 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
         # runs in one compiled call when the model qualifies; otherwise, and as the reference,
         # the Python layers
         if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
-            if not self._decode_stack_built:
-                self._decode_stack = build_llama_decode_stack(self)
-                self._decode_stack_built = True
-            if self._decode_stack is not None and kv_caches[0].dtype == torch.float32:
-                return run_decode_stack(self._decode_stack, self, input_ids, positions, kv_caches,
-                                        meta)
+            stack = self.decode_stack()
+            if stack is not None and kv_caches[0].dtype == torch.float32:
+                return run_decode_stack(stack, self, input_ids, positions, kv_caches, meta)
         return super().forward(input_ids, positions, kv_caches, meta)
+
+    def decode_stack(self):
+        """The compiled decode stack, built on first use (packing the projections' weights:
+        ~0.25 s for SmolLM2, so the engine calls this once it has configured the model), or None
+        when the model does not qualify."""
+        if not self._decode_stack_built:
+            self._decode_stack = build_llama_decode_stack(self)
+            self._decode_stack_built = True
+        return self._decode_stack
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
