@@ -146,6 +146,35 @@ def pack_linear(layer: "Linear") -> bool:
     return True
 
 
+class PackedRowsEmbedding(nn.Module):
+    """The embedding table of a tied LM head whose weight is packed: row i of the head's
+    [vocab, hidden] weight is token i's embedding, gathered from the packed layout
+    (``packed[i // R, :, i % R, :]``), so the table is stored once, in the layout the head's
+    kernel streams fastest."""
+
+    def __init__(self, head: "Linear") -> None:
+        super().__init__()
+        if type(head.method) is not PackedLinearMethod:
+            raise TypeError("PackedRowsEmbedding reads a packed linear layer's rows")
+        self._head = (head,)          # a tuple: not registered as a submodule here
+        self.num_embeddings, self.embedding_dim = head.output_size, head.input_size
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [vocab, hidden] table, unpacked (a new tensor)."""
+        return PackedLinearMethod.dense_weight(self._head[0])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings}): "
+                             f"min {int(flat.min())}, max {int(flat.max())}")
+        packed = self._head[0].packed_weight                  # [vocab / R, hidden / L, R, L]
+        rows = packed.shape[2]
+        out = packed[flat // rows, :, flat % rows, :]          # [T, hidden / L, L]
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+
 def dense_weight(layer: "Linear") -> torch.Tensor:
     """A float layer's [out, in] weight, whichever float layout holds it."""
     if type(layer.method) is PackedLinearMethod:

@@ -34,7 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvforge.attention.mla import MLAUpProjection
-from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod, dense_weight
+from kvforge.layers.linear import (Linear, MergedLinear, PackedRowsEmbedding,
+                                   UnquantizedLinearMethod, dense_weight)
 from kvforge.layers.moe import EXPERT_SHARDS, FusedMoE, UnquantizedExpertsMethod
 from kvforge.quant import packing
 from kvforge.quant.calibration import (CalibratedLinearMethod, CalibratedQuantConfig,
@@ -127,6 +128,8 @@ def quantized_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor
                     state[f"{name}.bias"] = module.bias[r]
         elif isinstance(module, FusedMoE):
             state.update(_experts_tensors(prefix, module, int4_in_features))
+        elif isinstance(module, PackedRowsEmbedding):    # a tied head's packed table
+            state[f"{prefix}.weight"] = module.weight
         elif isinstance(module, MLAUpProjection):    # back to HF's kv_b_proj [H * (P + V), L]
             state[f"{prefix}.weight"] = torch.cat([module.w_uk, module.w_uv], dim=1).reshape(
                 -1, module.kv_lora_rank)

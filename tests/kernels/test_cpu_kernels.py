@@ -346,6 +346,32 @@ def test_stack_packs_what_it_can(compiled, tiny_model_factory, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_packed_with_the_stack(compiled, tiny_model_factory, monkeypatch, tied):
+    """The engine packs the LM head with the stack; a tied head's embedding table then reads its
+    rows from the packed head (one copy). Same outputs as the Python path with kernels off."""
+    from kvforge.engine.llm import LLM
+    from kvforge.layers.linear import PackedLinearMethod, PackedRowsEmbedding
+    hf_dir, hf_model = tiny_model_factory("llama", tie_word_embeddings=tied)
+    table = hf_model.get_input_embeddings().weight.detach().float()
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4)
+    model = llm.engine.runner.model
+    if not ops.packing_pays():
+        assert type(model.lm_head.method) is not PackedLinearMethod
+        return
+    assert type(model.lm_head.method) is PackedLinearMethod
+    embed = model.model.embed_tokens
+    assert isinstance(embed, PackedRowsEmbedding) == tied
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [17, 17, 3]])
+    torch.testing.assert_close(embed(ids), table[ids], rtol=0, atol=0)
+    if tied:
+        torch.testing.assert_close(embed.weight, table, rtol=0, atol=0)
+        with pytest.raises(IndexError, match="token id out of range"):
+            embed(torch.tensor([table.shape[0]]))
+    _check_on_equals_off(llm, [[5, 17, 300, 42], [7] * 19], monkeypatch, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_stack_calls_back_quantized_projections(compiled, tiny_model_factory, monkeypatch,
                                                 quantization):
