@@ -165,3 +165,22 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     if ops is None or x.stride(1) != 1:
         return None
     return ops.linear_packed(x, packed, out_features)
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of a packed [out_features, K] weight: ``[*ids.shape, K]``. An
+    id outside [0, out_features) raises IndexError."""
+    flat = ids.reshape(-1)
+    ops = cpu_kernels()
+    if ops is not None and packed.is_cpu and packed.dtype is _FP32 and flat.dtype == torch.int64:
+        try:
+            rows = ops.packed_rows(packed, flat.contiguous(), out_features)
+        except RuntimeError as exc:                     # the kernel's bounds check
+            raise IndexError(str(exc).splitlines()[0]) from None
+    else:
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= out_features):
+            raise IndexError(f"token id out of range [0, {out_features}): "
+                             f"min {int(flat.min())}, max {int(flat.max())}")
+        group = packed.shape[2]
+        rows = packed[flat // group, :, flat % group, :]          # [T, K / L, L]
+    return rows.reshape(*ids.shape, packed.shape[1] * packed.shape[3])

@@ -165,14 +165,7 @@ class PackedRowsEmbedding(nn.Module):
         return PackedLinearMethod.dense_weight(self._head[0])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings}): "
-                             f"min {int(flat.min())}, max {int(flat.max())}")
-        packed = self._head[0].packed_weight                  # [vocab / R, hidden / L, R, L]
-        rows = packed.shape[2]
-        out = packed[flat // rows, :, flat % rows, :]          # [T, hidden / L, L]
-        return out.reshape(*ids.shape, self.embedding_dim)
+        return kernel_ops.packed_rows(self._head[0].packed_weight, ids, self.num_embeddings)
 
 
 def dense_weight(layer: "Linear") -> torch.Tensor:

@@ -366,8 +366,15 @@ def test_lm_head_packed_with_the_stack(compiled, tiny_model_factory, monkeypatch
     torch.testing.assert_close(embed(ids), table[ids], rtol=0, atol=0)
     if tied:
         torch.testing.assert_close(embed.weight, table, rtol=0, atol=0)
-        with pytest.raises(IndexError, match="token id out of range"):
+        with pytest.raises(IndexError, match="out of range"):
             embed(torch.tensor([table.shape[0]]))
+        with pytest.raises(IndexError, match="out of range"):
+            embed(torch.tensor([-1]))
+        with monkeypatch.context() as m:                     # the PyTorch path: same rows
+            m.setattr(kernels, "_module", None)
+            torch.testing.assert_close(embed(ids), table[ids], rtol=0, atol=0)
+            with pytest.raises(IndexError, match="out of range"):
+                embed(torch.tensor([-1]))
     _check_on_equals_off(llm, [[5, 17, 300, 42], [7] * 19], monkeypatch, atol=1e-4)
 
 

@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &kvforge::linear_packed_op,
         "x @ W^T over a packed weight [ceil(out / pack_rows), in / lanes, pack_rows, lanes]",
         release_gil());
+  m.def("packed_rows", &kvforge::packed_rows, "rows of a packed weight (an embedding lookup)",
+        release_gil());
   m.attr("linear_lanes") = kvforge::kLanes;          // the packed layout's geometry
   m.attr("linear_pack_rows") = kvforge::kPackRows;
   m.attr("linear_packing_pays") = kvforge::kPackingPays;   // whether layers should be packed

@@ -157,6 +157,7 @@ at::Tensor rotary_neox(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight);
 at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features);
+at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);

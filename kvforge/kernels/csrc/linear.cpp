@@ -263,4 +263,29 @@ at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_feature
                 x.size(0), in, out_features);
   return y;
 }
+// rows `ids` of a packed weight [out, in] as a row-major [len(ids), in] (a tied LM head's
+// embedding lookup): row i is group i / 8, lane block by lane block, at position i % 8
+at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 4, "packed weight must be 4-D");
+  const int64_t in = packed.size(1) * kLanes;
+  check_packed_weight(packed, in, out_features);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
+                  ids.device().is_cpu(), "ids must be a contiguous int64 CPU vector");
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < out_features, "token id ", id[t], " out of range [0, ",
+                out_features, ")");
+  auto rows = at::empty({n, in}, packed.options());
+  const float* p = packed.data_ptr<float>();
+  float* r = rows.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* group = p + (id[t] / kPackRows) * kPackRows * in + (id[t] % kPackRows) * kLanes;
+    for (int64_t kb = 0; kb < in / kLanes; ++kb)
+      std::copy(group + kb * kPackRows * kLanes, group + kb * kPackRows * kLanes + kLanes,
+                r + t * in + kb * kLanes);
+  }
+  return rows;
+}
+
 }  // namespace kvforge
