@@ -85,11 +85,3 @@ class ReadBandwidthSampler:
             elapsed = time.perf_counter() - t0
             if elapsed >= self.sample_seconds:
                 return passes * self._data.numel() * 4 / elapsed
-
-
-def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5,
-                           sample_seconds: float = 0.0) -> float:
-    """Achievable memory read bandwidth in bytes/s: the best of ``reps`` samples (see
-    ``ReadBandwidthSampler``)."""
-    sampler = ReadBandwidthSampler(num_bytes, sample_seconds)
-    return max(sampler.sample() for _ in range(reps))

@@ -63,12 +63,12 @@ class AttentionMetadata:
             # comprehensions and one tensor beat ~20 small tensor ops at decode batch sizes
             slots = [table[pos // block_size] * block_size + pos % block_size
                      for table, pos in zip(block_tables, context_lens)]
-            per_seq = torch.tensor([slots, context_lens, [c + 1 for c in context_lens]],
+            seq_list = [c + 1 for c in context_lens]
+            per_seq = torch.tensor([slots, context_lens, seq_list],
                                    dtype=torch.int64).reshape(3, num_seqs)
             slot_mapping, ctx, seq_lens = per_seq[0], per_seq[1], per_seq[2]
             qsl = torch.arange(num_seqs + 1, dtype=torch.int64)
             positions = ctx
-            seq_list = [c + 1 for c in context_lens]
         else:
             q_lens = torch.tensor(query_lens, dtype=torch.int64)
             ctx = torch.tensor(context_lens, dtype=torch.int64)

@@ -25,6 +25,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.window import AttentionWindow
 from kvforge.attention.windowed import WindowedAttentionBackend
 from kvforge.engine.request import Request
+from kvforge.kernels import ops as kernel_ops
 from kvforge.kvcache.kv_manager import KVCacheManager
 from kvforge.sampling_params import SamplingParams
 
@@ -111,7 +112,7 @@ def chunked_nll(model: torch.nn.Module, ids: list[int], window: AttentionWindow 
         targets = tokens[start + 1:end + 1]
         nll[start:end] = torch.nn.functional.cross_entropy(
             logits, targets, reduction="none").double().cpu()
-        top1[start:end] = (logits.argmax(dim=-1) == targets).cpu()
+        top1[start:end] = (kernel_ops.argmax_last_dim(logits) == targets).cpu()
         request.num_computed_tokens += n
     kv.free("eval")
     kv.check_integrity()

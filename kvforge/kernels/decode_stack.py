@@ -50,7 +50,7 @@ def build_llama_decode_stack(model):
     empty = torch.Tensor()
     # The packed layout streams 1-4 rows faster, row-major 5-8 (linear.cpp): an engine that
     # verifies speculated tokens (up to 8 rows a step) keeps the model's row-major weights.
-    pack = getattr(model, "pack_decode_weights", True)
+    pack = model.pack_decode_weights
 
     def projection(linear):
         """Eligible: the packed fp32 weight (packing it now if it is not yet) or, when it cannot

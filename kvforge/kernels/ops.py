@@ -153,7 +153,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The row-major [out_features, K] weight back from its packed layout (a new tensor)."""
     groups, k_blocks, rows, lanes = packed.shape
-    return packed.permute(0, 2, 1, 3).reshape(groups * rows, k_blocks * lanes)[:out_features].contiguous()
+    row_major = packed.permute(0, 2, 1, 3).reshape(groups * rows, k_blocks * lanes)
+    return row_major[:out_features].contiguous()
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:

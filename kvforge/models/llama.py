@@ -140,6 +140,9 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
 
     _decode_stack = None            # compiled whole-step decode (kvforge/kernels), built lazily
     _decode_stack_built = False
+    # the stack's weights (and the LM head) in the packed layout; the ModelRunner turns it off
+    # when speculation verifies up to 8 rows a step (kernels/decode_stack.py)
+    pack_decode_weights = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
@@ -167,7 +170,7 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
         """The LM head in the packed layout too, as the stack's projections (a 49k x 576 head
         streams at ~0.9 of a t.sum pass packed vs ~0.77 row-major when memory is fast). A tied
         head is the embedding table: the table then reads its rows from the packed head."""
-        if not getattr(self, "pack_decode_weights", True) or not pack_linear(self.lm_head):
+        if not self.pack_decode_weights or not pack_linear(self.lm_head):
             return
         if self._head_shares_embedding:
             self.model.embed_tokens = PackedRowsEmbedding(self.lm_head)

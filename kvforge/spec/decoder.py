@@ -18,7 +18,8 @@ Adaptive policy, by what a proposal costs:
   few-rows tile (one pass over the weights for all of them: 8 rows with AVX-512); past it every
   row pays its own FLOPs. ``max_verify_rows`` caps decode rows + proposals per step and splits
   what is left evenly: k = 7 at batch 1, 3 at batch 2, 1 at 3-4, none from 5 decodes on
-  (``kernels/ops.single_pass_rows``; None: no cap, e.g. GPUs). No request speculates while more than ``disable_batch_size`` decode.
+  (``kernels/ops.single_pass_rows``; None: no cap, e.g. GPUs). No request speculates while
+  more than ``disable_batch_size`` decode.
 * per request: a proposal rejected outright halves the request's next k (down to
   ``min_proposal``); one accepted whole restores the full k.
 * pause: a request whose recent acceptance (exponential moving average) falls under

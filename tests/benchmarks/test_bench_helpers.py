@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.common import parse_engine_args
 from benchmarks.hardware import (ReadBandwidthSampler, cpu_model_name, measure_gemm_peak_flops,
-                                 measure_read_bandwidth, physical_cores)
+                                 physical_cores)
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table
 from benchmarks.systems import RunResult, left_pad, static_batches, timed_run
@@ -237,12 +237,9 @@ def test_cpu_model_name_reads_cpuinfo(tmp_path):
 
 def test_measurements_are_positive_and_finite():
     peak = measure_gemm_peak_flops(n=64, reps=1)
-    bw = measure_read_bandwidth(num_bytes=1 << 20, reps=1)
+    bw = ReadBandwidthSampler(num_bytes=1 << 20).sample()            # one pass at least
     assert math.isfinite(peak) and peak > 0
     assert math.isfinite(bw) and bw > 0
-    t0 = time.perf_counter()
-    sustained = measure_read_bandwidth(num_bytes=1 << 20, reps=2, sample_seconds=0.05)
-    assert time.perf_counter() - t0 >= 0.1 and math.isfinite(sustained) and sustained > 0
     sampler = ReadBandwidthSampler(num_bytes=1 << 20, sample_seconds=0.02)
     t0 = time.perf_counter()
     assert all(math.isfinite(b) and b > 0 for b in (sampler.sample(), sampler.sample()))
