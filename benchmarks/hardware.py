@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from kvforge.kernels.huge_pages import huge_page_bytes, huge_page_zeros
+
 
 def cpu_model_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     try:
@@ -68,14 +70,19 @@ class ReadBandwidthSampler:
     Long samples measure what a run of that length can sustain: on a shared VM a single ~30 ms
     pass now and then reads 40-60% faster than any second-long stretch, and the rate itself
     drifts between modes (~30 and ~50 GB/s here) over seconds, so a benchmark compares a run
-    with the samples taken right before and after it (see benchmarks/latency.py)."""
+    with the samples taken right before and after it (see benchmarks/latency.py).
+
+    The tensor lives in huge pages where the machine grants them (kernels/huge_pages.py), as
+    kvforge's weights do: a pass over 2 MiB pages reads up to ~1.1-1.3x faster than one over
+    4 KiB pages here, so a 4 KiB tensor would understate the bandwidth, i.e. the bound."""
 
     def __init__(self, num_bytes: int = 1 << 30, sample_seconds: float = 0.0) -> None:
         if num_bytes < 4:
             raise ValueError(f"num_bytes must be >= 4, got {num_bytes}")
         self.sample_seconds = sample_seconds
-        self._data = torch.ones(num_bytes // 4)
-        self._data.sum()                       # first touch: page faults are not bandwidth
+        self._data = huge_page_zeros([(num_bytes // 4,)])[0]
+        self._data.fill_(1.0)                  # first touch: page faults are not bandwidth
+        self.huge_pages = huge_page_bytes(self._data) > 0
 
     def sample(self) -> float:
         passes, t0 = 0, time.perf_counter()

@@ -12,7 +12,8 @@ Memory-bandwidth bound, measured in the same process with the same ``--threads``
   bytes per decode token = 4 * (every matmul weight incl. the LM head + RMSNorm weights + one
                            embedding row) + fp32 K/V of the average context (prompt + half the
                            output), i.e. what one batch-1 step must stream from memory
-  read bandwidth         = repeated ``t.sum()`` over a ``--bandwidth-gib`` fp32 tensor, one
+  read bandwidth         = repeated ``t.sum()`` over a ``--bandwidth-gib`` fp32 tensor (in huge
+                           pages when the machine grants them, like kvforge's weights), one
                            sample of ``--bandwidth-sample-s`` (1 s, about one timed run) before
                            the first rep and after every rep
   bound                  = bytes / bandwidth  (ms/token no fp32 implementation can beat)
@@ -123,7 +124,8 @@ def main(argv=None) -> dict:
                            "100.0%", ""]]))
     print()
     print(hardware_line())
-    print(f"read bandwidth: t.sum over {args.bandwidth_gib:g} GiB fp32, samples of "
+    print(f"read bandwidth: t.sum over {args.bandwidth_gib:g} GiB fp32 "
+          f"({'2 MiB' if sampler.huge_pages else '4 KiB'} pages), samples of "
           f"{args.bandwidth_sample_s:g} s around each rep (median {bandwidth / 1e9:.1f} GB/s); "
           f"bytes per decode token {bytes_per_token / 1e6:.1f} MB (weights + KV of {avg_context} "
           f"tokens); % of bound: median over {args.reps} reps of each rep against its own samples")

@@ -14,6 +14,7 @@ from kvforge.attention.long_context import configure_long_context
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.config import EngineConfig
 from kvforge.engine.request import Request
+from kvforge.kernels.huge_pages import huge_page_zeros
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
 from kvforge.quant.loading import load_model
@@ -58,8 +59,8 @@ class ModelRunner:
         # the attention backend picks the cache dtype (fp8 KV cache: 8-bit, else the model dtype)
         cache_dtype = (self.model.kv_cache_dtype() if hasattr(self.model, "kv_cache_dtype")
                        else self.dtype)
-        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device)
-                          for _ in range(self.model.num_layers)]
+        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it
+        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
         self.sampler = Sampler()
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait

@@ -18,7 +18,7 @@ def build_llama_decode_stack(model):
     """A ``DecodeStack`` over ``model``'s own weight tensors, or None when not eligible."""
     from kvforge.attention.paged import PagedAttentionBackend
     from kvforge.layers.activation import GatedActivation
-    from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod, pack_linear
+    from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod, place_linears
     from kvforge.models.llama import LlamaMLP
 
     ops = cpu_kernels()
@@ -50,14 +50,17 @@ def build_llama_decode_stack(model):
     empty = torch.Tensor()
     # The packed layout streams 1-4 rows faster, row-major 5-8 (linear.cpp): an engine that
     # verifies speculated tokens (up to 8 rows a step) keeps the model's row-major weights.
-    pack = model.pack_decode_weights
+    # Either way the fp32 weights move into one huge-page buffer in the order a step reads them.
+    place_linears([p for layer in inner.layers
+                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)],
+                  pack=model.pack_decode_weights)
 
     def projection(linear):
-        """Eligible: the packed fp32 weight (packing it now if it is not yet) or, when it cannot
-        be packed, the row-major fp32 weight, for our kernels; a quantized layer's module itself
-        (its own kernel)."""
+        """The packed or row-major fp32 weight for our kernels; a quantized layer's module
+        itself (its own kernel)."""
         bias = linear.bias if linear.bias is not None else empty
-        if type(linear.method) is PackedLinearMethod or (pack and pack_linear(linear)):
+        if type(linear.method) is PackedLinearMethod:
             return (linear.packed_weight, linear.output_size), bias
         if type(linear.method) is UnquantizedLinearMethod:
             return linear.weight, bias

@@ -135,9 +135,9 @@ def packing_pays() -> bool:
     return ops is not None and bool(ops.linear_packing_pays)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [N, K] in the packed layout, or None when the kernel cannot take it (no
-    compiled kernels, not fp32 on CPU, K not a multiple of the lanes)."""
+def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """The packed layout's shape for ``weight`` [N, K], or None when the kernel cannot take it
+    (no compiled kernels, not fp32 on CPU, K not a multiple of the lanes)."""
     layout = packed_layout()
     if layout is None or weight.dim() != 2 or weight.dtype is not _FP32 or not weight.is_cpu:
         return None
@@ -145,9 +145,25 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     n, k = weight.shape
     if k % lanes:
         return None
-    groups = -(-n // rows)
-    padded = F.pad(weight, (0, 0, 0, groups * rows - n))
-    return padded.view(groups, rows, k // lanes, lanes).permute(0, 2, 1, 3).contiguous()
+    return -(-n // rows), k // lanes, rows, lanes
+
+
+def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
+    """``weight`` [N, K] in the packed layout (written into ``out``, a contiguous tensor of
+    ``packed_shape(weight)``, when given), or None when the kernel cannot take it."""
+    shape = packed_shape(weight)
+    if shape is None:
+        return None
+    groups, k_blocks, rows, lanes = shape
+    padded = F.pad(weight, (0, 0, 0, groups * rows - weight.shape[0]))
+    packed = padded.view(groups, rows, k_blocks, lanes).permute(0, 2, 1, 3)
+    if out is None:
+        return packed.contiguous()
+    if tuple(out.shape) != shape or not out.is_contiguous() or out.dtype is not _FP32:
+        raise ValueError(f"out must be a contiguous fp32 tensor of shape {shape}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out.copy_(packed)
 
 
 def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kvforge.kernels import ops as kernel_ops
+from kvforge.kernels.huge_pages import huge_page_zeros
 
 
 class LinearMethod(ABC):
@@ -129,21 +130,60 @@ class PackedLinearMethod(LinearMethod):
         return y.view(*x.shape[:-1], layer.output_size)
 
 
-def pack_linear(layer: "Linear") -> bool:
+def pack_linear(layer: "Linear", out: torch.Tensor | None = None) -> bool:
     """Convert a loaded fp32 CPU ``layer`` with the plain method to ``PackedLinearMethod`` in
-    place (the row-major weight is freed) where this build's packed kernel is the faster one.
+    place (the row-major weight is freed; the packed one written into ``out`` when given, a
+    tensor of ``packing_shape(layer)``) where this build's packed kernel is the faster one.
     True when the layer is packed (now or before)."""
     if type(layer.method) is PackedLinearMethod:
         return True
-    if type(layer.method) is not UnquantizedLinearMethod or not kernel_ops.packing_pays():
+    if packing_shape(layer) is None:
         return False
-    packed = kernel_ops.pack_linear_weight(layer.weight)
-    if packed is None:
-        return False
+    packed = kernel_ops.pack_linear_weight(layer.weight, out)
     del layer.weight
     layer.packed_weight = nn.Parameter(packed, requires_grad=False)
     layer.method = PackedLinearMethod()
     return True
+
+
+def packing_shape(layer: "Linear") -> tuple[int, ...] | None:
+    """The packed weight's shape if ``pack_linear`` would pack ``layer`` now, else None."""
+    if type(layer.method) is not UnquantizedLinearMethod or not kernel_ops.packing_pays():
+        return None
+    return kernel_ops.packed_shape(layer.weight)
+
+
+def place_linears(layers: "list[Linear]", pack: bool) -> None:
+    """Move the fp32 CPU weights of ``layers`` into one huge-page buffer, one after another in
+    the order given -- the order a decode step reads them, so the step streams one region
+    (``kernels/huge_pages.py``) -- packing those ``pack_linear`` packs when ``pack``, keeping
+    the others row-major. Layers of other methods (quantized) are left where they are. A layer
+    whose weight was shared (a tied LM head and its embedding) gets a weight of its own: the
+    caller re-ties."""
+    plans = []                      # (layer, shape in the buffer, packed?)
+    for layer in layers:
+        if type(layer.method) is PackedLinearMethod:
+            weight = layer.packed_weight
+            plans.append((layer, tuple(weight.shape), True))
+            continue
+        if type(layer.method) is not UnquantizedLinearMethod:
+            continue
+        weight = layer.weight
+        if weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous():
+            continue
+        shape = packing_shape(layer) if pack else None
+        plans.append((layer, shape or tuple(weight.shape), shape is not None))
+    if not plans:
+        return
+    buffers = huge_page_zeros([shape for _, shape, _ in plans], torch.float32)
+    for (layer, _, packed), buffer in zip(plans, buffers):
+        if type(layer.method) is PackedLinearMethod:
+            layer.packed_weight = nn.Parameter(buffer.copy_(layer.packed_weight),
+                                               requires_grad=False)
+        elif packed:
+            pack_linear(layer, out=buffer)
+        else:
+            layer.weight = nn.Parameter(buffer.copy_(layer.weight), requires_grad=False)
 
 
 class PackedRowsEmbedding(nn.Module):

@@ -22,8 +22,8 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels.decode_stack import (build_llama_decode_stack, run_decode_stack,
                                           stack_handles_step)
 from kvforge.layers.activation import GatedActivation
-from kvforge.layers.linear import (Linear, MergedLinear, PackedRowsEmbedding,
-                                   UnquantizedLinearMethod, pack_linear)
+from kvforge.layers.linear import (Linear, MergedLinear, PackedLinearMethod, PackedRowsEmbedding,
+                                   UnquantizedLinearMethod, place_linears)
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 from kvforge.models.base import (RotaryDecoderLMMixin, copy_plain_parameter, expected_weight_keys,
@@ -156,24 +156,28 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
         return super().forward(input_ids, positions, kv_caches, meta)
 
     def decode_stack(self):
-        """The compiled decode stack, built on first use (packing the projections' weights:
-        ~0.25 s for SmolLM2, so the engine calls this once it has configured the model), or None
-        when the model does not qualify."""
+        """The compiled decode stack, built on first use (moving the projections' weights into
+        huge pages and packing them: ~0.3 s for SmolLM2, so the engine calls this once it has
+        configured the model), or None when the model does not qualify."""
         if not self._decode_stack_built:
             self._decode_stack = build_llama_decode_stack(self)
             self._decode_stack_built = True
             if self._decode_stack is not None:
-                self._pack_lm_head()
+                self._place_lm_head()
         return self._decode_stack
 
-    def _pack_lm_head(self) -> None:
-        """The LM head in the packed layout too, as the stack's projections (a 49k x 576 head
-        streams at ~0.9 of a t.sum pass packed vs ~0.77 row-major when memory is fast). A tied
-        head is the embedding table: the table then reads its rows from the packed head."""
-        if not self.pack_decode_weights or not pack_linear(self.lm_head):
+    def _place_lm_head(self) -> None:
+        """The LM head in huge pages too, packed like the stack's projections when they are (a
+        49k x 576 head streams at ~0.9 of a t.sum pass packed vs ~0.77 row-major when memory is
+        fast). A tied head is the embedding table: the table then reads its rows from the head's
+        new storage (packed: through ``PackedRowsEmbedding``)."""
+        place_linears([self.lm_head], pack=self.pack_decode_weights)
+        if not self._head_shares_embedding:
             return
-        if self._head_shares_embedding:
+        if type(self.lm_head.method) is PackedLinearMethod:
             self.model.embed_tokens = PackedRowsEmbedding(self.lm_head)
+        else:
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

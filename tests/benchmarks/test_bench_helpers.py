@@ -246,6 +246,9 @@ def test_measurements_are_positive_and_finite():
     assert time.perf_counter() - t0 >= 0.04
     with pytest.raises(ValueError, match="num_bytes"):
         ReadBandwidthSampler(num_bytes=2)
+    # the bound reads huge pages where kvforge's weights get them
+    from kvforge.kernels.huge_pages import huge_pages_available
+    assert ReadBandwidthSampler(num_bytes=8 << 20).huge_pages == huge_pages_available()
 
 
 def test_format_table_aligns_columns():
@@ -288,6 +291,8 @@ def fake_config():
 
 class FakeSampler:
     """Read bandwidth that alternates 1 and 3 GB/s: every rep's bound uses the mean, 2 GB/s."""
+
+    huge_pages = False
 
     def __init__(self, num_bytes, sample_seconds):
         self.count = 0

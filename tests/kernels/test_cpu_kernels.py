@@ -254,6 +254,40 @@ def test_paged_decode_attention_long_contexts(compiled, lens, block_size, dim):
         torch.testing.assert_close(out[s].double(), ref, rtol=1e-4, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens,dim", [
+    ([40], 64),                       # batch 1, one chunk: the heads split across threads
+    ([1], 80),                        # one key; dims = one 4-vector run + one more vector
+    ([5, 70], 24),                    # two sequences, dims off the 16-lane path
+    ([300], 64),                      # chunks, no head split, merged
+])
+def test_paged_decode_attention_few_tasks(compiled, threads, lens, dim):
+    """Few sequences with short contexts: (sequence, head range) tasks whose ranges cut GQA
+    groups (9 heads over 3 KV heads, 4 ranges at 2 threads), normalised without a merge."""
+    g = torch.Generator().manual_seed(sum(lens) * 7 + dim + threads)
+    kv_heads, heads, block_size = 3, 9, 16
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = 2 * len(lens) * per_seq
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[:len(lens) * per_seq].view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = compiled.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor(lens),
+                                              0.2)
+    finally:
+        torch.set_num_threads(before)
+    kv_of_head = torch.arange(heads) // (heads // kv_heads)
+    for s, length in enumerate(lens):
+        keys = cache[0][table[s]].reshape(-1, kv_heads, dim)[:length].double()
+        values = cache[1][table[s]].reshape(-1, kv_heads, dim)[:length].double()
+        scores = torch.einsum("hd,thd->ht", q[s].double(), keys[:, kv_of_head]) * 0.2
+        ref = torch.einsum("ht,thd->hd", scores.softmax(-1), values[:, kv_of_head])
+        torch.testing.assert_close(out[s].double(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_fallback_when_disabled(monkeypatch):
     """Kernels off (KVFORGE_KERNELS=0 or no compiler): the ops still compute the right thing."""
     monkeypatch.setattr(kernels, "_module", None)
@@ -427,6 +461,24 @@ def test_stack_runs_short_prefills_and_verification_like_python_layers(compiled,
     from kvforge.layers.linear import UnquantizedLinearMethod
     assert all(type(layer.self_attn.qkv_proj.method) is UnquantizedLinearMethod
                for layer in model.model.layers)
+
+
+@needs_kernels
+def test_row_major_tied_head_stays_the_embedding(compiled, tiny_model_factory, monkeypatch):
+    """A speculating engine keeps row-major weights; moving them into huge pages must leave a
+    tied LM head and the embedding table one tensor (same storage, same values as HF's)."""
+    from kvforge.engine.llm import LLM
+    from kvforge.layers.linear import UnquantizedLinearMethod
+    hf_dir, hf_model = tiny_model_factory("llama", tie_word_embeddings=True)
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4, speculative_method="ngram",
+              num_speculative_tokens=4)
+    model = llm.engine.runner.model
+    assert type(model.lm_head.method) is UnquantizedLinearMethod
+    assert model.model.embed_tokens.weight is model.lm_head.weight
+    table = hf_model.get_input_embeddings().weight.detach().float()
+    torch.testing.assert_close(model.lm_head.weight, table, rtol=0, atol=0)
+    _check_on_equals_off(llm, [[5, 17, 300, 42, 5, 17, 300], [3] * 12], monkeypatch, atol=1e-4,
+                         max_tokens=8)
 
 
 @needs_kernels

@@ -20,16 +20,16 @@ namespace {
 // (flash-decoding), so even one sequence keeps every thread busy.
 constexpr int64_t kChunk = 256;
 
-struct Partial {        // softmax state of one (query, chunk) for every head
-  std::vector<float> max, sum, acc;   // [H], [H], [H * Dv]
+struct Partial {        // softmax state of one (query, chunk) for a range of heads
+  std::vector<float> max, sum, acc;   // [heads], [heads], [heads * Dv]
 };
 
-// Every row of one block that a task reads: kv_heads runs of dim floats per slot (adjacent in
-// the token-major paged layout, B x dim runs apart in QUEST's head-major one).
-inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv_heads) {
+// Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
+// (adjacent in the token-major paged layout, B x dim runs apart in QUEST's head-major one).
+inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv0, int64_t kv1) {
   const float* base = plane.data + block_id * plane.block_stride;
   for (int64_t t = 0; t < plane.block_size; ++t)
-    for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t h = kv0; h < kv1; ++h)
       for (int64_t d = 0; d < plane.dim; d += 16)
         __builtin_prefetch(base + t * plane.token_stride + h * plane.head_stride + d);
 }
@@ -61,7 +61,7 @@ inline vec16 transpose_sum16(const vec16* v) {
                                  29, 31);
 }
 
-// Softmax attention of one query token (all heads) over keys [j0, j1) of a paged sequence,
+// Softmax attention of one query token (heads [h0, h1)) over keys [j0, j1) of a paged sequence,
 // block by block with an online softmax: per head a running max m, sum l and accumulator acc,
 // rescaled by e^(m_old - m_new) when a block raises the max. Per block and KV head:
 //
@@ -72,25 +72,27 @@ inline vec16 transpose_sum16(const vec16* v) {
 // so a block's K and V rows are read back to back while the next block is prefetched.
 void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
                   const PagedKV& values, const int64_t* table, int64_t j0, int64_t j1,
-                  int64_t heads, int64_t kv_heads, float scale, Partial& part,
+                  int64_t h0, int64_t h1, int64_t group, float scale, Partial& part,
                   std::vector<float>& scores) {
-  const int64_t group = heads / kv_heads, dim = keys.dim, dim_v = values.dim;
+  const int64_t dim = keys.dim, dim_v = values.dim;
   const int64_t block = keys.block_size;
   const bool lanes = dim % 16 == 0 && dim_v % 16 == 0;
-  part.max.assign(heads, -INFINITY);
-  part.sum.assign(heads, 0.f);
-  part.acc.assign(heads * dim_v, 0.f);
+  const int64_t kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
+  part.max.assign(h1 - h0, -INFINITY);
+  part.sum.assign(h1 - h0, 0.f);
+  part.acc.assign((h1 - h0) * dim_v, 0.f);
   scores.resize(static_cast<size_t>(block));
   for (int64_t b = j0 / block; b * block < j1; ++b) {
     if ((b + 1) * block < j1) {                   // the next block (blocks are scattered)
-      prefetch_block(keys, table[b + 1], kv_heads);
-      prefetch_block(values, table[b + 1], kv_heads);
+      prefetch_block(keys, table[b + 1], kv0, kv1);
+      prefetch_block(values, table[b + 1], kv0, kv1);
     }
     const int64_t t0 = std::max(j0, b * block) - b * block;
     const int64_t len = std::min(j1, (b + 1) * block) - b * block - t0;
     const float* kb = keys.data + table[b] * keys.block_stride + t0 * keys.token_stride;
     const float* vb = values.data + table[b] * values.block_stride + t0 * values.token_stride;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t i = h - h0;                   // the head's place in the partial
       const float* key = kb + (h / group) * keys.head_stride;
       const float* val = vb + (h / group) * values.head_stride;
       const float* qh = q + h * q_head_stride;
@@ -107,19 +109,28 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
       } else {
         for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qh, key + t * keys.token_stride, dim);
       }
-      float mx = part.max[h];
+      float mx = part.max[i];
       for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
-      float* a = part.acc.data() + h * dim_v;
-      if (mx > part.max[h]) {                     // rescale what the old max weighted
-        const float corr = std::exp(part.max[h] - mx);
-        part.sum[h] *= corr;
+      float* a = part.acc.data() + i * dim_v;
+      if (mx > part.max[i]) {                     // rescale what the old max weighted
+        const float corr = std::exp(part.max[i] - mx);
+        part.sum[i] *= corr;
 #pragma omp simd
         for (int64_t d = 0; d < dim_v; ++d) a[d] *= corr;
-        part.max[h] = mx;
+        part.max[i] = mx;
       }
-      part.sum[h] += exp_shift_sum(sc, len, mx);
-      if (lanes) {
-        for (int64_t d = 0; d < dim_v; d += 16) {
+      part.sum[i] += exp_shift_sum(sc, len, mx);
+      if (lanes) {         // 4 vectors of dims at a time: 4 independent FMA chains over keys
+        int64_t d = 0;
+        for (; d + 64 <= dim_v; d += 64) {
+          vec16 ad[4] = {load16(a + d), load16(a + d + 16), load16(a + d + 32), load16(a + d + 48)};
+          for (int64_t t = 0; t < len; ++t) {
+            const float* vt = val + t * values.token_stride + d;
+            for (int c = 0; c < 4; ++c) ad[c] += sc[t] * load16(vt + 16 * c);
+          }
+          __builtin_memcpy(a + d, ad, sizeof ad);
+        }
+        for (; d < dim_v; d += 16) {
           vec16 ad = load16(a + d);
           for (int64_t t = 0; t < len; ++t) ad += sc[t] * load16(val + t * values.token_stride + d);
           __builtin_memcpy(a + d, &ad, sizeof ad);
@@ -161,10 +172,13 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                       float scale, float* out) {
-  const int64_t dim_v = values.dim;
-  // tasks: (sequence s, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len)). kChunk keys,
-  // or fewer when there are fewer sequences than ~2 tasks per thread: batch 1 at 300 tokens
-  // would give one thread 256 keys and the other 44 (whole blocks, >= 64 keys per task)
+  const int64_t dim_v = values.dim, group = heads / kv_heads;
+  // tasks: (sequence s, head range p, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len))
+  // of heads [p * heads / splits, (p + 1) * heads / splits). kChunk keys, or fewer when there
+  // are fewer sequences than ~2 tasks per thread: batch 1 at 300 tokens would give one thread
+  // 256 keys and the other 44 (whole blocks, >= 64 keys per task). Still fewer tasks than that
+  // (short contexts, batch 1 at 64 tokens: one chunk) split the heads instead, which needs no
+  // merge: without it one thread attended all heads while the other waited.
   int64_t chunk = kChunk;
   const int64_t want_tasks = 2 * at::get_num_threads();
   if (num_seqs > 0 && num_seqs < want_tasks) {
@@ -174,9 +188,17 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
     chunk = std::clamp<int64_t>((even + keys.block_size - 1) / keys.block_size * keys.block_size,
                                 64, kChunk);
   }
+  std::vector<int64_t> chunks(num_seqs);
+  int64_t chunk_tasks = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    chunks[s] = std::max<int64_t>(1, (seq_lens[s] + chunk - 1) / chunk);
+    chunk_tasks += chunks[s];
+  }
+  const int64_t splits = chunk_tasks >= want_tasks
+                             ? 1 : std::min(heads, (want_tasks + chunk_tasks - 1) / chunk_tasks);
+  //   tasks of sequence s: first_task[s] + p * chunks[s] + c
   std::vector<int64_t> first_task(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s)
-    first_task[s + 1] = first_task[s] + std::max<int64_t>(1, (seq_lens[s] + chunk - 1) / chunk);
+  for (int64_t s = 0; s < num_seqs; ++s) first_task[s + 1] = first_task[s] + splits * chunks[s];
   const int64_t num_tasks = first_task[num_seqs];
   std::vector<Partial> parts(num_tasks);
   at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
@@ -184,18 +206,26 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
     int64_t s = std::upper_bound(first_task.begin(), first_task.end(), t0) - first_task.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_task[s + 1]) ++s;
-      const int64_t c = t - first_task[s];
+      const int64_t p = (t - first_task[s]) / chunks[s], c = (t - first_task[s]) % chunks[s];
+      const int64_t h0 = p * heads / splits, h1 = (p + 1) * heads / splits;
       const int64_t j0 = c * chunk, j1 = std::min(seq_lens[s], j0 + chunk);
       attend_chunk(q + s * q_row_stride, q_head_stride, keys, values,
-                   block_tables + s * table_stride, j0, j1, heads, kv_heads, scale, parts[t],
+                   block_tables + s * table_stride, j0, j1, h0, h1, group, scale, parts[t],
                    scores);
+      if (chunks[s] == 1)           // the whole sequence: normalise in place, nothing to merge
+        merge_partials(&parts[t], 1, h1 - h0, dim_v, out + (s * heads + h0) * dim_v);
     }
   });
-  // merge chunk partials per sequence (flash-decoding)
-  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
-      merge_partials(parts.data() + first_task[s], first_task[s + 1] - first_task[s], heads,
-                     dim_v, out + s * heads * dim_v);
+  // merge chunk partials per sequence and head range (flash-decoding)
+  if (chunk_tasks == num_seqs) return;
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / splits, p = i % splits;
+      if (chunks[s] == 1) continue;
+      const int64_t h0 = p * heads / splits, h1 = (p + 1) * heads / splits;
+      merge_partials(parts.data() + first_task[s] + p * chunks[s], chunks[s], h1 - h0, dim_v,
+                     out + (s * heads + h0) * dim_v);
+    }
   });
 }
 
