@@ -213,9 +213,10 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
   }
 }
 
-// Packed tiles prefetch into L2 this far (in floats) ahead of their loads, along the one
-// stream: 4 KB measured best of 0-64 KB (2 threads, fast and slow memory modes alike; the
-// row-major tiles want two whole tiles, ~36 KB, of distance, see above).
+// Packed tiles of 2-4 rows prefetch into L2 this far (in floats) ahead of their loads, along
+// the one stream: 4 KB measured best of 0-64 KB (2 threads, fast and slow memory modes alike;
+// the row-major tiles want two whole tiles, ~36 KB, of distance, see above). One row reads
+// without software prefetch (packed_row_tile).
 constexpr int64_t kPackedAhead = 4096 / 4;
 
 // groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
