@@ -2,10 +2,12 @@
 
 A batch-1 decode step reads every weight once (540 MB for SmolLM2 in fp32). With 4 KiB pages
 that is ~130k TLB misses a step and every projection's stream restarts its page walks; with 2 MiB
-pages the walks all but vanish. Measured on this project's Zen 4 VM, SmolLM2's 121 decode
-projections packed in one huge-page region vs the same in ordinary 4 KiB-page tensors, paired in
-one process: 1.18x the read speed while memory ran at ~50 GB/s (a t.sum pass itself gains
-~1.03-1.10x), see ``benchmarks/linear_kernel.py``.
+pages the walks all but vanish. Measured on this project's Zen 4 VM, the engine's own 121 packed
+decode projections (stack + LM head) in one huge-page buffer vs the same in 4 KiB-page tensors,
+alternated in one process: 0.865 vs 0.776 of a 4 KiB-page t.sum pass (+11%) while memory ran at
+~50 GB/s, even at ~30 GB/s; a t.sum pass itself gains 1.0-1.03x in the slow mode and up to
+1.1-1.3x in the fast one (``benchmarks/linear_kernel.py`` compares the two placements). The
+first touch costs more: ~0.35-0.6 s for 540 MB vs ~0.12-0.25 s with 4 KiB pages.
 
 Linux hands out huge pages to a private anonymous mapping advised ``MADV_HUGEPAGE`` before its
 pages are first touched when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or

@@ -157,7 +157,7 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
 
     def decode_stack(self):
         """The compiled decode stack, built on first use (moving the projections' weights into
-        huge pages and packing them: ~0.3 s for SmolLM2, so the engine calls this once it has
+        huge pages and packing them: ~1 s for SmolLM2, so the engine calls this once it has
         configured the model), or None when the model does not qualify."""
         if not self._decode_stack_built:
             self._decode_stack = build_llama_decode_stack(self)

@@ -172,8 +172,8 @@ at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
       const PagedKV keys{run, block_stride, dim, head_stride, block, dim};
       const PagedKV values{run + plane, block_stride, dim, head_stride, block, dim};
       attend_chunk(qp + s * q.stride(0) + h * group * heads_stride, heads_stride, keys, values,
-                   chosen.data() + item * k_blocks, j0, j1, 0, group, group, static_cast<float>(scale),
-                   parts[t], scores);
+                   chosen.data() + item * k_blocks, j0, j1, 0, group, group,
+                   static_cast<float>(scale), parts[t], scores);
     }
   });
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t i0, int64_t i1) {
