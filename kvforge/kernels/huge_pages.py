@@ -13,8 +13,9 @@ Linux hands out huge pages to a private anonymous mapping advised ``MADV_HUGEPAG
 pages are first touched when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
 ``madvise`` (the common default). So the buffer is a fresh ``mmap`` (zero-filled, untouched),
 aligned to 2 MiB inside and advised; the tensors are views of it (``torch.frombuffer`` keeps the
-mapping alive). Anywhere else (another OS, THP ``never``, another device, a small buffer) the
-tensors are ordinary ``torch.zeros``: same values, same behaviour, just 4 KiB pages.
+mapping alive). Anywhere else (another OS, THP ``never``, another device, a small buffer, or
+``KVFORGE_HUGE_PAGES=0`` in the environment) the tensors are ordinary ``torch.zeros``: same
+values, same behaviour, just 4 KiB pages.
 """
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ _ALIGN_BYTES = 64
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-@cache
 def huge_pages_available() -> bool:
-    """Whether advising a mapping can get it huge pages here (THP ``always`` or ``madvise``)."""
+    """Whether advising a mapping can get it huge pages here (THP ``always`` or ``madvise``)
+    and they are wanted (``KVFORGE_HUGE_PAGES`` is not 0 / false / no / off)."""
+    wanted = os.environ.get("KVFORGE_HUGE_PAGES", "1").lower() not in ("0", "false", "no", "off")
+    return wanted and _thp_advisable()
+
+
+@cache
+def _thp_advisable() -> bool:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:

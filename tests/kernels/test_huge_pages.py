@@ -65,6 +65,20 @@ def test_plain_tensors_without_huge_pages(monkeypatch):
     assert a.data_ptr() != b.data_ptr()
 
 
+def test_environment_turns_huge_pages_off(monkeypatch):
+    monkeypatch.setenv("KVFORGE_HUGE_PAGES", "0")
+    assert not huge_pages_available()
+
+    def no_mapping(nbytes):
+        raise AssertionError("mapped a buffer with huge pages turned off")
+
+    monkeypatch.setattr(huge_pages, "_advised_buffer", no_mapping)
+    big, = huge_page_zeros([(_BIG,)])
+    assert big.shape == (_BIG,) and not big.any()
+    monkeypatch.setenv("KVFORGE_HUGE_PAGES", "1")
+    assert huge_pages_available() == huge_pages._thp_advisable()
+
+
 def test_other_devices_and_dtypes():
     half, = huge_page_zeros([(_BIG // 2,)], dtype=torch.float16)
     assert half.dtype == torch.float16 and half.shape == (_BIG // 2,)
