@@ -69,7 +69,7 @@ class ReadBandwidthSampler:
 
     Long samples measure what a run of that length can sustain: on a shared VM a single ~30 ms
     pass now and then reads 40-60% faster than any second-long stretch, and the rate itself
-    drifts between modes (~30 and ~50 GB/s here) over seconds, so a benchmark compares a run
+    drifts between modes (~30 and ~50-60 GB/s here) over seconds, so a benchmark compares a run
     with the samples taken right before and after it (see benchmarks/latency.py).
 
     The tensor lives in huge pages where the machine grants them (kernels/huge_pages.py), as

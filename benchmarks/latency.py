@@ -18,7 +18,7 @@ Memory-bandwidth bound, measured in the same process with the same ``--threads``
                            the first rep and after every rep
   bound                  = bytes / bandwidth  (ms/token no fp32 implementation can beat)
 
-Paired, because this VM's read bandwidth flips between ~30 and ~50 GB/s over seconds: each rep
+Paired, because this VM's read bandwidth flips between ~30 and ~50-60 GB/s over seconds: each rep
 is held against the mean of the two samples around it (the bandwidth while it ran), and
 "% of bound" is the median over reps of bound / measured (100% = running at memory speed).
 Decode ms/token is the median over reps. The table also lists the best and worst rep.

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
                   for s in range(len(LAYER_SHAPES))]
     placed = huge_page_zeros([packed[i].shape for i in step_order])
     for buffer, i in zip(placed, step_order):
-        buffer.copy_(packed[i])
+        ops.pack_linear_weight(weights[i], out=buffer)
     placed_weights = [weights[i] for i in step_order]
     weight_bytes = sum(w.numel() * 4 for w in weights)
     params = sum(w.numel() for w in weights)
@@ -78,6 +78,7 @@ def main(argv=None) -> None:
         def kernel_packed():
             return [kernels.linear_packed(xs[w.shape[1]], p, w.shape[0])
                     for w, p in zip(weights, packed)]
+
         def kernel_placed():
             return [kernels.linear_packed(xs[w.shape[1]], p, w.shape[0])
                     for w, p in zip(placed_weights, placed)]

@@ -58,7 +58,7 @@ def huge_page_zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.
     64-byte boundary) in one huge-page backed buffer when this machine grants huge pages, else
     ordinary ``torch.zeros``. Put tensors read in sequence in one call, in the order read."""
     device = torch.device(device)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     align = max(_ALIGN_BYTES // item, 1)
     numels = [math.prod(s) for s in shapes]
     offsets, total = [], 0
