@@ -59,8 +59,10 @@ class ModelRunner:
         # the attention backend picks the cache dtype (fp8 KV cache: 8-bit, else the model dtype)
         cache_dtype = (self.model.kv_cache_dtype() if hasattr(self.model, "kv_cache_dtype")
                        else self.dtype)
-        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it
-        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
+        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it;
+        # faulted in now, not by whichever decode step first writes into each page
+        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device,
+                                         populate=True)
         self.sampler = Sampler()
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait

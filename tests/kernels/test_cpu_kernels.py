@@ -171,6 +171,35 @@ def test_linear_packed_matches_reference(compiled, rows, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 3, 13])
+def test_linear_kernels_share_columns_between_threads(compiled, threads, rows):
+    """Big enough weights run as a team: every thread streams its share of the columns in
+    chunks and the first done takes chunks off the back of the others' shares (three threads on
+    this two-core box get descheduled mid-share, so that path runs). Every column must be
+    computed exactly once and the same way on any number of threads: float64 reference, and bit
+    for bit the one-thread result. A bias on packed and row-major weights goes through the
+    stack's path (test_tiny_models_decode_stack_matches_python_layers)."""
+    g = torch.Generator().manual_seed(rows * 10 + threads)
+    w = torch.randn(4001, 576, generator=g)               # 501 groups / tiles: a ragged end
+    x = torch.randn(rows, 576, generator=g)
+    packed = ops.pack_linear_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = (compiled.linear_packed(x, packed, 4001), compiled.linear_rows(x, w))
+        torch.set_num_threads(threads)
+        for _ in range(5):
+            team = (compiled.linear_packed(x, packed, 4001), compiled.linear_rows(x, w))
+            for y, y_alone in zip(team, alone):
+                torch.testing.assert_close(y, (x.double() @ w.double().t()).float(), rtol=1e-4,
+                                           atol=1e-3)
+                assert torch.equal(y, y_alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 def test_linear_packed_rejects_bad_input(compiled):
     p = ops.pack_linear_weight(torch.randn(20, 32))
     with pytest.raises(RuntimeError, match="packed weight must be"):
@@ -359,6 +388,26 @@ def test_tiny_models_decode_stack_matches_python_layers(compiled, tiny_model_fac
     for batch in (prompts, prompts * 4):
         _check_on_equals_off(LLM(hf_dir, num_kv_blocks=64, block_size=4), batch, monkeypatch,
                              atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_stack_team_on_any_thread_count(compiled, tiny_model_factory, monkeypatch,
+                                               threads):
+    """The stack runs a step as one team of torch's threads: heads, KV heads and attention
+    tasks split between them (4 heads / 2 KV heads over 3 threads leaves one thread no KV head),
+    a 150-token context cut into chunks whose partial softmaxes merge inside the team, q/k/v
+    biases added per claimed chunk. Same tokens and logprobs as the Python layers."""
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory("qwen2")
+    prompts = [[5, 17, 300, 42], list(range(100, 250)), [7] * 19]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        llm = LLM(hf_dir, num_kv_blocks=128, block_size=4, num_threads=threads)
+        _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernels

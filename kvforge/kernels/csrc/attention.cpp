@@ -20,9 +20,7 @@ namespace {
 // (flash-decoding), so even one sequence keeps every thread busy.
 constexpr int64_t kChunk = 256;
 
-struct Partial {        // softmax state of one (query, chunk) for a range of heads
-  std::vector<float> max, sum, acc;   // [heads], [heads], [heads * Dv]
-};
+using Partial = DecodeAttentionPlan::Partial;
 
 // Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
 // (adjacent in the token-major paged layout, B x dim runs apart in QUEST's head-major one).
@@ -168,64 +166,80 @@ void merge_partials(const Partial* parts, int64_t num_parts, int64_t heads, int6
 
 }  // namespace
 
-void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
-                      PagedKV values, const int64_t* block_tables, int64_t table_stride,
-                      const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      float scale, float* out) {
-  const int64_t dim_v = values.dim, group = heads / kv_heads;
+DecodeAttentionPlan::DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs,
+                                         int64_t heads, int64_t kv_heads, int64_t dim_v,
+                                         int64_t block_size, int threads)
+    : seq_lens_(seq_lens), num_seqs_(num_seqs), heads_(heads), group_(heads / kv_heads),
+      dim_v_(dim_v) {
   // tasks: (sequence s, head range p, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len))
   // of heads [p * heads / splits, (p + 1) * heads / splits). kChunk keys, or fewer when there
   // are fewer sequences than ~2 tasks per thread: batch 1 at 300 tokens would give one thread
   // 256 keys and the other 44 (whole blocks, >= 64 keys per task). Still fewer tasks than that
   // (short contexts, batch 1 at 64 tokens: one chunk) split the heads instead, which needs no
   // merge: without it one thread attended all heads while the other waited.
-  int64_t chunk = kChunk;
-  const int64_t want_tasks = 2 * at::get_num_threads();
+  chunk_ = kChunk;
+  const int64_t want_tasks = 2 * static_cast<int64_t>(threads);
   if (num_seqs > 0 && num_seqs < want_tasks) {
     const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
     const int64_t per_seq = (want_tasks + num_seqs - 1) / num_seqs;
     const int64_t even = (longest + per_seq - 1) / per_seq;
-    chunk = std::clamp<int64_t>((even + keys.block_size - 1) / keys.block_size * keys.block_size,
-                                64, kChunk);
+    chunk_ = std::clamp<int64_t>((even + block_size - 1) / block_size * block_size, 64, kChunk);
   }
-  std::vector<int64_t> chunks(num_seqs);
+  chunks_.resize(num_seqs);
   int64_t chunk_tasks = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    chunks[s] = std::max<int64_t>(1, (seq_lens[s] + chunk - 1) / chunk);
-    chunk_tasks += chunks[s];
+    chunks_[s] = std::max<int64_t>(1, (seq_lens[s] + chunk_ - 1) / chunk_);
+    chunk_tasks += chunks_[s];
   }
-  const int64_t splits = chunk_tasks >= want_tasks
-                             ? 1 : std::min(heads, (want_tasks + chunk_tasks - 1) / chunk_tasks);
+  splits_ = chunk_tasks >= want_tasks
+                ? 1 : std::min(heads, (want_tasks + chunk_tasks - 1) / chunk_tasks);
+  needs_merge_ = chunk_tasks != num_seqs;
   //   tasks of sequence s: first_task[s] + p * chunks[s] + c
-  std::vector<int64_t> first_task(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) first_task[s + 1] = first_task[s] + splits * chunks[s];
-  const int64_t num_tasks = first_task[num_seqs];
-  std::vector<Partial> parts(num_tasks);
-  at::parallel_for(0, num_tasks, 1, [&](int64_t t0, int64_t t1) {
+  first_task_.assign(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    first_task_[s + 1] = first_task_[s] + splits_ * chunks_[s];
+  parts_.resize(first_task_.back());
+}
+
+void DecodeAttentionPlan::run_task(int64_t t, const float* q, int64_t q_row_stride,
+                                   int64_t q_head_stride, const PagedKV& keys,
+                                   const PagedKV& values, const int64_t* block_tables,
+                                   int64_t table_stride, float scale, float* out,
+                                   std::vector<float>& scores) {
+  const int64_t s = std::upper_bound(first_task_.begin(), first_task_.end(), t) -
+                    first_task_.begin() - 1;
+  const int64_t p = (t - first_task_[s]) / chunks_[s], c = (t - first_task_[s]) % chunks_[s];
+  const int64_t h0 = p * heads_ / splits_, h1 = (p + 1) * heads_ / splits_;
+  const int64_t j0 = c * chunk_, j1 = std::min(seq_lens_[s], j0 + chunk_);
+  attend_chunk(q + s * q_row_stride, q_head_stride, keys, values, block_tables + s * table_stride,
+               j0, j1, h0, h1, group_, scale, parts_[t], scores);
+  if (chunks_[s] == 1)           // the whole sequence: normalise in place, nothing to merge
+    merge_partials(&parts_[t], 1, h1 - h0, dim_v_, out + (s * heads_ + h0) * dim_v_);
+}
+
+// merge chunk partials per sequence and head range (flash-decoding)
+void DecodeAttentionPlan::merge(int64_t i, float* out) const {
+  const int64_t s = i / splits_, p = i % splits_;
+  if (chunks_[s] == 1) return;
+  const int64_t h0 = p * heads_ / splits_, h1 = (p + 1) * heads_ / splits_;
+  merge_partials(parts_.data() + first_task_[s] + p * chunks_[s], chunks_[s], h1 - h0, dim_v_,
+                 out + (s * heads_ + h0) * dim_v_);
+}
+
+void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
+                      PagedKV values, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+                      float scale, float* out) {
+  DecodeAttentionPlan plan(seq_lens, num_seqs, heads, kv_heads, values.dim, keys.block_size,
+                           at::get_num_threads());
+  at::parallel_for(0, plan.num_tasks(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
-    int64_t s = std::upper_bound(first_task.begin(), first_task.end(), t0) - first_task.begin() - 1;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (t >= first_task[s + 1]) ++s;
-      const int64_t p = (t - first_task[s]) / chunks[s], c = (t - first_task[s]) % chunks[s];
-      const int64_t h0 = p * heads / splits, h1 = (p + 1) * heads / splits;
-      const int64_t j0 = c * chunk, j1 = std::min(seq_lens[s], j0 + chunk);
-      attend_chunk(q + s * q_row_stride, q_head_stride, keys, values,
-                   block_tables + s * table_stride, j0, j1, h0, h1, group, scale, parts[t],
-                   scores);
-      if (chunks[s] == 1)           // the whole sequence: normalise in place, nothing to merge
-        merge_partials(&parts[t], 1, h1 - h0, dim_v, out + (s * heads + h0) * dim_v);
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      plan.run_task(t, q, q_row_stride, q_head_stride, keys, values, block_tables, table_stride,
+                    scale, out, scores);
   });
-  // merge chunk partials per sequence and head range (flash-decoding)
-  if (chunk_tasks == num_seqs) return;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / splits, p = i % splits;
-      if (chunks[s] == 1) continue;
-      const int64_t h0 = p * heads / splits, h1 = (p + 1) * heads / splits;
-      merge_partials(parts.data() + first_task[s] + p * chunks[s], chunks[s], h1 - h0, dim_v,
-                     out + (s * heads + h0) * dim_v);
-    }
+  at::parallel_for(0, plan.num_merges(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) plan.merge(i, out);
   });
 }
 

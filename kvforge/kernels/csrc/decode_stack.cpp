@@ -57,6 +57,19 @@ struct Projection {
     if (t.numel() > 0) bias = t;            // an empty tensor: no bias
   }
 
+  // our own fp32 kernel at `rows` rows, so a team can run it (linear_team)
+  bool team_runnable(int64_t rows) const {
+    return packed.defined() ||
+           (weight.defined() && rows >= kLinearRowsMin && rows <= kLinearRowsMax);
+  }
+  // this thread's part of y [rows, out] = x @ W^T + b
+  void run(const float* x, int64_t xs, float* y, int64_t rows, const Team& team,
+           ShareClaim* claims) const {
+    linear_team(x, xs, packed.defined() ? packed.data_ptr<float>() : weight.data_ptr<float>(),
+                packed.defined(), bias.defined() ? bias.data_ptr<float>() : nullptr, y, rows,
+                in_features(), out_features(), team, claims);
+  }
+
   int64_t in_features() const { return packed.defined() ? packed.size(1) * kLanes : weight.size(1); }
   int64_t out_features() const { return packed.defined() ? packed_out : weight.size(0); }
   bool is_module() const { return !weight.defined() && !packed.defined(); }
@@ -122,6 +135,9 @@ class DecodeStack {
                   "o weight shape");
       TORCH_CHECK(w.gate_up.is_module() || w.gate_up.in_features() == hidden_, "gate_up shape");
       TORCH_CHECK(w.down.is_module() || w.down.out_features() == hidden_, "down shape");
+      TORCH_CHECK(w.gate_up.is_module() || w.down.is_module() ||
+                      w.gate_up.out_features() == 2 * w.down.in_features(),
+                  "gate_up must be [gate | up] of down's input width");
       layers_.push_back(std::move(w));
     }
   }
@@ -144,7 +160,6 @@ class DecodeStack {
                     sin.stride(1) == 1, "cos/sin must be [n, head_dim]");
     check_fp32_cpu(cos, "cos");
     check_fp32_cpu(sin, "sin");
-    const int64_t kv_row = kv_heads_ * head_dim_;
     int64_t num_slots = -1, block_size = 0;
     for (const auto& cache : kv_caches) {
       check_fp32_cpu(cache, "kv_cache");
@@ -167,7 +182,150 @@ class DecodeStack {
                         tables[t * table_stride + b] * block_size < num_slots, "block id");
     }
 
-    const int64_t q_width = heads_ * head_dim_;
+    const bool team_runs_all = std::all_of(layers_.begin(), layers_.end(), [&](const auto& w) {
+      return w.qkv.team_runnable(n) && w.o.team_runnable(n) && w.gate_up.team_runnable(n) &&
+             w.down.team_runnable(n);
+    });
+    const Step step{hidden, kv_caches, slots, tables, table_stride, lens, cos, sin, num_slots,
+                    block_size};
+    return team_runs_all ? forward_team(step) : forward_ops(step);
+  }
+
+ private:
+  struct Step {              // one forward's inputs, checked
+    const at::Tensor& hidden;
+    const std::vector<at::Tensor>& kv_caches;
+    const int64_t *slots, *tables;
+    int64_t table_stride;
+    const int64_t* lens;
+    const at::Tensor &cos, &sin;
+    int64_t num_slots, block_size;
+  };
+
+  // The whole step in one parallel region (team.h): every thread runs the layers below,
+  // projections and attention split between the threads, a barrier wherever a thread reads what
+  // another wrote. The small row ops (norms, SwiGLU) each thread runs itself, over every row
+  // into private buffers: cheaper than a barrier and a hand-off between cores.
+  //
+  //   residual, h = norm(residual + x)             private (every thread, same values)
+  //   qkv = h @ Wqkv^T            columns shared       -> barrier
+  //   rotate my q heads and my KV heads; write my KV heads to the cache    -> barrier
+  //   attention tasks (sequence, heads, keys)  shared  -> barrier [merges -> barrier]
+  //   o = attn @ Wo^T             columns shared       -> barrier
+  //   residual, h = norm(residual + o)             private
+  //   gu = h @ Wgu^T              columns shared       -> barrier
+  //   act = silu(gate) * up                        private
+  //   x = act @ Wdown^T           columns shared       -> barrier
+  at::Tensor forward_team(const Step& st) {
+    const int64_t n = st.hidden.size(0);
+    const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
+    const int64_t qkv_width = q_width + 2 * kv_row;
+    int64_t inter = 0;                  // the widest MLP (Llama's are all alike)
+    for (const auto& w : layers_) inter = std::max(inter, w.down.in_features());
+    const auto opts = st.hidden.options();
+    // written by one thread, read by all
+    at::Tensor qkv = at::empty({n, qkv_width}, opts), attn = at::empty({n, q_width}, opts),
+               o = at::empty({n, hidden_}, opts), gate_up = at::empty({n, 2 * inter}, opts),
+               x = at::empty({n, hidden_}, opts), out = at::empty({n, hidden_}, opts);
+    float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>(),
+          *o_p = o.data_ptr<float>(), *gu_p = gate_up.data_ptr<float>(),
+          *x_p = x.data_ptr<float>();
+    const int threads = at::get_num_threads();
+    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, st.block_size, threads);
+    // per layer: claims of qkv, attention tasks, merges, o, gate_up, down (a thread each)
+    constexpr int kWorks = 6;
+    std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
+    const float *cos_p = st.cos.data_ptr<float>(), *sin_p = st.sin.data_ptr<float>();
+    const int64_t cs = st.cos.stride(0), ss = st.sin.stride(0);
+    run_team([&](const Team& team) {
+      std::vector<float> residual(n * hidden_), h(n * hidden_), act(n * inter), scores;
+      // q heads this thread rotates, KV heads it rotates and writes
+      const int64_t h0 = Team::split(heads_, team.rank(), team.size()),
+                    h1 = Team::split(heads_, team.rank() + 1, team.size());
+      const int64_t k0 = Team::split(kv_heads_, team.rank(), team.size()),
+                    k1 = Team::split(kv_heads_, team.rank() + 1, team.size());
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const LayerWeights& w = layers_[l];
+        ShareClaim* claim = claims.data() + l * kWorks * threads;    // work i: claim + i * threads
+        if (l == 0) {
+          const float* embedded = st.hidden.data_ptr<float>();
+          std::copy(embedded, embedded + n * hidden_, residual.begin());
+          add_rms_norm_rows(embedded, hidden_, nullptr, 0, w.ln1.data_ptr<float>(), h.data(),
+                            nullptr, n, hidden_, eps_);
+        } else {
+          add_rms_norm_rows(x_p, hidden_, residual.data(), hidden_, w.ln1.data_ptr<float>(),
+                            h.data(), residual.data(), n, hidden_, eps_);
+        }
+        w.qkv.run(h.data(), hidden_, qkv_p, n, team, claim);
+        team.barrier();
+        float* cache = st.kv_caches[l].data_ptr<float>();
+        const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
+        for (int64_t t = 0; t < n; ++t) {
+          float* row = qkv_p + t * qkv_width;
+          float* k = row + q_width;
+          const float *c = cos_p + t * cs, *s = sin_p + t * ss;
+          if (h1 > h0)
+            rotary_rows(row + h0 * head_dim_, qkv_width, row + h0 * head_dim_, qkv_width, c, cs,
+                        s, ss, 1, h1 - h0, head_dim_);
+          if (k1 > k0) {
+            rotary_rows(k + k0 * head_dim_, qkv_width, k + k0 * head_dim_, qkv_width, c, cs, s,
+                        ss, 1, k1 - k0, head_dim_);
+            std::copy(k + k0 * head_dim_, k + k1 * head_dim_,
+                      cache + st.slots[t] * kv_row + k0 * head_dim_);
+            std::copy(k + kv_row + k0 * head_dim_, k + kv_row + k1 * head_dim_,
+                      cache + plane + st.slots[t] * kv_row + k0 * head_dim_);
+          }
+        }
+        team.barrier();
+        const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,
+                           head_dim_};
+        const PagedKV values{cache + plane, st.block_size * kv_row, kv_row, head_dim_,
+                             st.block_size, head_dim_};
+        team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
+                        [&](int64_t t0, int64_t t1, int64_t) {
+          for (int64_t t = t0; t < t1; ++t)
+            plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables,
+                          st.table_stride, scale_, attn_p, scores);
+        });
+        if (plan.num_merges() > 0) {
+          team.barrier();
+          team.for_shares(plan.num_merges(), 1, claim + 2 * threads,
+                          [&](int64_t i0, int64_t i1, int64_t) {
+            for (int64_t i = i0; i < i1; ++i) plan.merge(i, attn_p);
+          });
+        }
+        team.barrier();
+        w.o.run(attn_p, q_width, o_p, n, team, claim + 3 * threads);
+        team.barrier();
+        add_rms_norm_rows(o_p, hidden_, residual.data(), hidden_, w.ln2.data_ptr<float>(),
+                          h.data(), residual.data(), n, hidden_, eps_);
+        w.gate_up.run(h.data(), hidden_, gu_p, n, team, claim + 4 * threads);
+        team.barrier();
+        const int64_t width = w.down.in_features();
+        silu_and_mul_rows(gu_p, 2 * width, act.data(), n, width);
+        w.down.run(act.data(), width, x_p, n, team, claim + 5 * threads);
+        team.barrier();
+      }
+      if (team.rank() == 0)
+        add_rms_norm_rows(x_p, hidden_, residual.data(), hidden_, final_norm_.data_ptr<float>(),
+                          out.data_ptr<float>(), residual.data(), n, hidden_, eps_);
+    });
+    return out;
+  }
+
+  // Op by op, each op parallel on its own: any projection, including quantized modules (called
+  // back into Python) and row-major weights past kLinearRowsMax rows (MKL).
+  at::Tensor forward_ops(const Step& st) {
+    const at::Tensor& hidden = st.hidden;
+    const int64_t n = hidden.size(0);
+    const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
+    const int64_t num_slots = st.num_slots, block_size = st.block_size;
+    const int64_t* slots = st.slots;
+    const int64_t* tables = st.tables;
+    const int64_t table_stride = st.table_stride;
+    const int64_t* lens = st.lens;
+    const at::Tensor &cos = st.cos, &sin = st.sin;
+    const std::vector<at::Tensor>& kv_caches = st.kv_caches;
     at::Tensor x = hidden, residual = at::empty_like(hidden), h = at::empty_like(hidden);
     at::Tensor attn = at::empty({n, q_width}, hidden.options());
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -220,7 +378,6 @@ class DecodeStack {
     return out;
   }
 
- private:
   std::vector<LayerWeights> layers_;
   at::Tensor final_norm_;
   float eps_;

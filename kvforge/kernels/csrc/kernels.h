@@ -5,10 +5,12 @@
 // for 576 floats: TensorIterator set-up, temporaries, a parallel region per op). Here every op
 // is one pass, and DecodeStack runs a whole Llama decode step in one call from Python.
 //
-// Threads come from ATen's pool (at::parallel_for). Torch's OpenMP build inlines its
-// `omp parallel` into this extension, so we compile with -fopenmp (without it at::parallel_for
-// silently runs serially); the libgomp.so.1 we link is the one torch already loaded (same
-// soname), so there is one thread pool, sized by torch.set_num_threads.
+// Threads come from ATen's pool: at::parallel_for, or one `omp parallel` region of
+// torch.get_num_threads() threads running a whole decode step or matmul as a team (team.h).
+// Torch's OpenMP build inlines its `omp parallel` into this extension, so we compile with
+// -fopenmp (without it at::parallel_for silently runs serially); the libgomp.so.1 we link is the
+// one torch already loaded (same soname), so there is one thread pool, sized by
+// torch.set_num_threads.
 #pragma once
 
 #include <torch/extension.h>
@@ -19,6 +21,8 @@
 #include <cmath>
 #include <utility>
 #include <vector>
+
+#include "team.h"
 
 namespace kvforge {
 
@@ -135,6 +139,12 @@ void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t r
 // == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out);
+// One thread's part of y = x @ W^T (+ bias, or nullptr) inside a team's region, W packed or
+// row-major (any rows for packed, kLinearRowsMin..kLinearRowsMax row-major): the columns in
+// balanced shares (Team::for_shares, `claims`: team-size zeroed ShareClaims, used once).
+void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
+                 float* y, int64_t rows, int64_t in, int64_t out, const Team& team,
+                 ShareClaim* claims);
 // throws unless `packed` is an fp32 weight [out, in] in that layout
 void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out);
 
@@ -144,6 +154,33 @@ struct PagedKV {               // one layer's K or V plane: [num_blocks, block, 
 };
 
 // One query token per sequence over its paged context (see attention.cpp for the map).
+// Cut into tasks (sequence, head range, chunk of keys) whose partial softmaxes of sequences in
+// several chunks are merged after: the same cut for every layer of a step.
+class DecodeAttentionPlan {
+ public:
+  DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+                      int64_t dim_v, int64_t block_size, int threads);
+  int64_t num_tasks() const { return first_task_.back(); }
+  // merge items (sequence, head range); 0 when every sequence fits one chunk (normalised in
+  // its task)
+  int64_t num_merges() const { return needs_merge_ ? num_seqs_ * splits_ : 0; }
+  // task t of one layer: q [n, heads, dim] rows, that layer's K and V planes, out [n, heads, dv]
+  void run_task(int64_t t, const float* q, int64_t q_row_stride, int64_t q_head_stride,
+                const PagedKV& keys, const PagedKV& values, const int64_t* block_tables,
+                int64_t table_stride, float scale, float* out, std::vector<float>& scores);
+  void merge(int64_t i, float* out) const;   // after every task of the layer
+
+  struct Partial {        // softmax state of one (query, chunk) for a range of heads
+    std::vector<float> max, sum, acc;   // [heads], [heads], [heads * Dv]
+  };
+
+ private:
+  const int64_t* seq_lens_;
+  int64_t num_seqs_, heads_, group_, dim_v_, chunk_ = 0, splits_ = 1;
+  bool needs_merge_ = false;
+  std::vector<int64_t> chunks_, first_task_;
+  std::vector<Partial> parts_;
+};
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,

@@ -17,7 +17,8 @@ namespace kvforge {
 // AVX-512, 16 ymm with AVX2), so every load feeds several FMAs. Few rows (decode batches): MR =
 // M and a wide NR keeps several W streams in flight (memory-bound); more rows: 4 x 6 (AVX-512)
 // or 3 x 4 (AVX2) tiles, each W tile reused from L1 by every row tile (compute-bound).
-// Threads split N in contiguous tile ranges; the first row tile of each W tile prefetches the
+// Threads split N in contiguous tile ranges (balanced at the end: linear_team); the first row
+// tile of each W tile prefetches the
 // W tile after next into L2, spread over its k steps. With few rows each tile is ~60% compute,
 // so a prefetch one tile ahead arrived late and the kernel alternated between computing and
 // waiting (7 rows: 19.4 ms for SmolLM2's 120 projections); two tiles ahead keeps memory busy
@@ -194,9 +195,11 @@ inline TileShape tile_shape(int64_t rows, bool packed) {
   return {kTileM, kTileN};
 }
 
-// columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width
+// columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width; tiles up to
+// column ahead_end (>= n1: this thread reads on there next) are prefetched
 void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int64_t rows,
-                       int64_t in, int64_t out, int64_t n0, int64_t n1, TileShape shape) {
+                       int64_t in, int64_t out, int64_t n0, int64_t n1, TileShape shape,
+                       int64_t ahead_end) {
   for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
     const int64_t k1 = std::min(in, k0 + kBlockK);
     for (int64_t n = n0; n < n1; n += shape.n) {
@@ -205,7 +208,7 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
         const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
         // the W tile after next (see the header): two tiles of distance
         const float* ahead =
-            (m == 0 && n + 3 * shape.n <= n1) ? w + (n + 2 * shape.n) * in : nullptr;
+            (m == 0 && n + 3 * shape.n <= ahead_end) ? w + (n + 2 * shape.n) * in : nullptr;
         kTiles.fn[mr - 1][nr - 1](x + m * xs, xs, w + n * in, in, y + m * out + n, out, k0, k1,
                                   k0 > 0, ahead);
       }
@@ -220,9 +223,10 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
 constexpr int64_t kPackedAhead = 4096 / 4;
 
 // groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
-// in tiles of shape.n of its rows
+// in tiles of shape.n of its rows; prefetches run on up to group ahead_end (>= g1)
 void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
-                         int64_t in, int64_t out, int64_t g0, int64_t g1, TileShape shape) {
+                         int64_t in, int64_t out, int64_t g0, int64_t g1, TileShape shape,
+                         int64_t ahead_end) {
   const int64_t group_floats = kPackRows * in;
   for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
     const int64_t k1 = std::min(in, k0 + kBlockK);
@@ -235,8 +239,8 @@ void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, i
           const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
           // every tile of the first row tile prefetches its own rows' lines, so memory
           // streams through all of a group's passes (a narrow tile reads part of each k step)
-          const float* ahead = (m == 0 && g + 1 < g1) ? group + j * kLanes + kPackedAhead
-                                                      : nullptr;
+          const float* ahead = (m == 0 && g + 1 < ahead_end) ? group + j * kLanes + kPackedAhead
+                                                             : nullptr;
           kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kLanes, in,
                                           y + m * out + g * kPackRows + j, out, k0, k1, k0 > 0,
                                           ahead);
@@ -253,22 +257,59 @@ inline int64_t linear_grain(int64_t in, int64_t unit_rows) {
   return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * unit_rows, 1));
 }
 
+// Chunks a team claims (Team::for_shares): ~256 KB of W, so a claim (an atomic add and a new
+// stream) is noise next to reading the chunk, and the faster thread's help at the end is still
+// fine-grained (~7% of gate_up's 3.5 MB share). SmolLM2 batch-1 steps, alternated: 128-512 KB
+// alike, 64 KB 1% slower, 32 KB 6%, 1 MB 2%.
+constexpr int64_t kClaimBytes = 256 * 1024;
+
+void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
+                 float* y, int64_t rows, int64_t in, int64_t out, const Team& team,
+                 ShareClaim* claims) {
+  const TileShape shape = tile_shape(rows, packed);
+  const int64_t unit_rows = packed ? kPackRows : shape.n;     // a packed group, or a tile
+  const int64_t units = (out + unit_rows - 1) / unit_rows;
+  const int64_t chunk = std::max<int64_t>(1, kClaimBytes / (unit_rows * in * 4));
+  team.for_shares(units, chunk, claims, [&](int64_t u0, int64_t u1, int64_t ahead_end) {
+    if (packed)
+      linear_packed_range(x, xs, w, y, rows, in, out, u0, u1, shape, ahead_end);
+    else
+      linear_rows_range(x, xs, w, y, rows, in, out, u0 * shape.n, std::min(out, u1 * shape.n),
+                        shape, std::min(out, ahead_end * shape.n));
+    if (bias != nullptr) {
+      const int64_t c0 = u0 * unit_rows, c1 = std::min(out, u1 * unit_rows);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = c0; c < c1; ++c) y[r * out + c] += bias[c];
+    }
+  });
+}
+
+// Standalone (the LM head, the Python layers): a team of its own when there is enough W.
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out) {
   const TileShape shape = tile_shape(rows, false);
   const int64_t num_tiles = (out + shape.n - 1) / shape.n;
-  at::parallel_for(0, num_tiles, linear_grain(in, shape.n), [&](int64_t t0, int64_t t1) {
-    linear_rows_range(x, xs, w, y, rows, in, out, t0 * shape.n, std::min(out, t1 * shape.n),
-                      shape);
+  if (num_tiles <= linear_grain(in, shape.n)) {
+    linear_rows_range(x, xs, w, y, rows, in, out, 0, out, shape, out);
+    return;
+  }
+  std::vector<ShareClaim> claims(at::get_num_threads());
+  run_team([&](const Team& team) {
+    linear_team(x, xs, w, false, nullptr, y, rows, in, out, team, claims.data());
   });
 }
 
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out) {
-  const TileShape shape = tile_shape(rows, true);
   const int64_t groups = (out + kPackRows - 1) / kPackRows;
-  at::parallel_for(0, groups, linear_grain(in, kPackRows), [&](int64_t g0, int64_t g1) {
-    linear_packed_range(x, xs, packed, y, rows, in, out, g0, g1, shape);
+  if (groups <= linear_grain(in, kPackRows)) {
+    linear_packed_range(x, xs, packed, y, rows, in, out, 0, groups, tile_shape(rows, true),
+                        groups);
+    return;
+  }
+  std::vector<ShareClaim> claims(at::get_num_threads());
+  run_team([&](const Team& team) {
+    linear_team(x, xs, packed, true, nullptr, y, rows, in, out, team, claims.data());
   });
 }
 
