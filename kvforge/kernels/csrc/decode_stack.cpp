@@ -260,21 +260,17 @@ class DecodeStack {
         team.barrier();
         float* cache = st.kv_caches[l].data_ptr<float>();
         const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
+        float* my_q = qkv_p + h0 * head_dim_;
+        float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
+        rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0,
+                    head_dim_);
+        rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0,
+                    head_dim_);
         for (int64_t t = 0; t < n; ++t) {
-          float* row = qkv_p + t * qkv_width;
-          float* k = row + q_width;
-          const float *c = cos_p + t * cs, *s = sin_p + t * ss;
-          if (h1 > h0)
-            rotary_rows(row + h0 * head_dim_, qkv_width, row + h0 * head_dim_, qkv_width, c, cs,
-                        s, ss, 1, h1 - h0, head_dim_);
-          if (k1 > k0) {
-            rotary_rows(k + k0 * head_dim_, qkv_width, k + k0 * head_dim_, qkv_width, c, cs, s,
-                        ss, 1, k1 - k0, head_dim_);
-            std::copy(k + k0 * head_dim_, k + k1 * head_dim_,
-                      cache + st.slots[t] * kv_row + k0 * head_dim_);
-            std::copy(k + kv_row + k0 * head_dim_, k + kv_row + k1 * head_dim_,
-                      cache + plane + st.slots[t] * kv_row + k0 * head_dim_);
-          }
+          const float* k = my_k + t * qkv_width;
+          const int64_t slot = st.slots[t] * kv_row + k0 * head_dim_;
+          std::copy(k, k + (k1 - k0) * head_dim_, cache + slot);
+          std::copy(k + kv_row, k + kv_row + (k1 - k0) * head_dim_, cache + plane + slot);
         }
         team.barrier();
         const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,

@@ -284,33 +284,31 @@ void linear_team(const float* x, int64_t xs, const float* w, bool packed, const 
   });
 }
 
-// Standalone (the LM head, the Python layers): a team of its own when there is enough W.
+// Standalone (the LM head, the Python layers): a team of its own when there is enough W (less
+// than ~16K floats per thread runs on the calling thread alone, a team of one).
+void linear_standalone(const float* x, int64_t xs, const float* w, bool packed, float* y,
+                       int64_t rows, int64_t in, int64_t out) {
+  const int64_t unit_rows = packed ? kPackRows : tile_shape(rows, false).n;
+  std::vector<ShareClaim> claims(at::get_num_threads());
+  const auto run = [&](const Team& team) {
+    linear_team(x, xs, w, packed, nullptr, y, rows, in, out, team, claims.data());
+  };
+  if ((out + unit_rows - 1) / unit_rows <= linear_grain(in, unit_rows)) {
+    TeamSync alone;
+    run(Team(0, 1, alone));
+  } else {
+    run_team(run);
+  }
+}
+
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out) {
-  const TileShape shape = tile_shape(rows, false);
-  const int64_t num_tiles = (out + shape.n - 1) / shape.n;
-  if (num_tiles <= linear_grain(in, shape.n)) {
-    linear_rows_range(x, xs, w, y, rows, in, out, 0, out, shape, out);
-    return;
-  }
-  std::vector<ShareClaim> claims(at::get_num_threads());
-  run_team([&](const Team& team) {
-    linear_team(x, xs, w, false, nullptr, y, rows, in, out, team, claims.data());
-  });
+  linear_standalone(x, xs, w, false, y, rows, in, out);
 }
 
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out) {
-  const int64_t groups = (out + kPackRows - 1) / kPackRows;
-  if (groups <= linear_grain(in, kPackRows)) {
-    linear_packed_range(x, xs, packed, y, rows, in, out, 0, groups, tile_shape(rows, true),
-                        groups);
-    return;
-  }
-  std::vector<ShareClaim> claims(at::get_num_threads());
-  run_team([&](const Team& team) {
-    linear_team(x, xs, packed, true, nullptr, y, rows, in, out, team, claims.data());
-  });
+  linear_standalone(x, xs, packed, true, y, rows, in, out);
 }
 
 at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight) {
