@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model path (same tokenizer as the target)")
     g.add_argument("--speculative-draft-layers", type=int, default=None,
                    help="self-draft depth (default: a quarter of the target's layers)")
+    g.add_argument("--num-decode-steps", type=int, default=4,
+                   help="multi-step decoding: a batch of greedy decodes with nothing waiting "
+                        "runs up to this many steps per engine step (tokens stream in groups "
+                        "of up to this many); 1 = off")
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -89,7 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_draft_model=args.speculative_draft_model,
-                speculative_draft_layers=args.speculative_draft_layers)
+                speculative_draft_layers=args.speculative_draft_layers,
+                num_decode_steps=args.num_decode_steps)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

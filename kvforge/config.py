@@ -74,6 +74,9 @@ class EngineConfig:
     speculative_draft_layers: int | None = None  # self-draft depth; None = num_layers // 4
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
+    # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
+    # runs up to this many steps in one compiled call (the engine's Python once per call)
+    num_decode_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -110,6 +113,9 @@ class EngineConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got "
                              f"{self.num_speculative_tokens}")
+        if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be an integer >= 1, got "
+                             f"{self.num_decode_steps!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.quantization_args is not None and not isinstance(self.quantization_args, dict):

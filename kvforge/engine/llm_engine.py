@@ -19,6 +19,7 @@ from kvforge.attention.window_setup import (STREAMING_MAX_MODEL_LEN, log_prefix_
                                             resolve_attention_window)
 from kvforge.config import EngineConfig
 from kvforge.detokenizer import IncrementalDetokenizer
+from kvforge.engine.decode_steps import plan_decode_steps
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvforge.engine.request import Request
@@ -107,6 +108,9 @@ class LLMEngine:
         self.max_len_per_request = min(self.max_model_len, self.scheduler.max_tokens_in_cache)
         # speculative decoding (kvforge/spec); None when off
         self.spec = build_spec_decoder(config, self.runner, self.max_len_per_request)
+        # multi-step decoding of greedy batches (engine/decode_steps.py); 1 = off
+        self._max_decode_steps = (config.num_decode_steps if self.runner.supports_decode_steps
+                                  else 1)
         self._groups: dict[str, _Group] = {}
         self._seq_states: dict[str, _SeqState] = {}
         self._ids = itertools.count()
@@ -194,6 +198,9 @@ class LLMEngine:
         """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
         if self.spec is not None:
             self.spec.before_schedule(self.scheduler.running)
+        elif self._max_decode_steps > 1:
+            plan_decode_steps(self.scheduler.running, self.scheduler.num_waiting > 0,
+                              self._max_decode_steps, self.max_len_per_request, self.runner.model)
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         self.num_preemptions_total += len(sched.preempted_request_ids)

@@ -13,6 +13,7 @@ import torch
 from kvforge.attention.long_context import configure_long_context
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.config import EngineConfig
+from kvforge.engine.decode_steps import run_decode_steps
 from kvforge.engine.request import Request
 from kvforge.kernels.huge_pages import huge_page_zeros
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -73,6 +74,11 @@ class ModelRunner:
                     self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)
 
     @property
+    def supports_decode_steps(self) -> bool:
+        """Whether the model has multi-step decoding (engine/decode_steps.py)."""
+        return hasattr(self.model, "can_decode_steps")
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_cache_bytes_per_token()
 
@@ -94,6 +100,11 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not sched.scheduled:
             return out
+        if sched.num_lookahead_tokens and self.supports_decode_steps:
+            sampled = run_decode_steps(self.model, sched, self.kv_caches, self.device)
+            if sampled is not None:
+                out.sampled = sampled
+                return out
         # speculative decoding: a draft model fills its lookahead slots now that they exist
         draft_probs = (self.drafter.propose(sched, self.kv_caches)
                        if self.drafter is not None else {})
@@ -101,7 +112,7 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         for req in sched.scheduled:
-            n = sched.num_scheduled_tokens[req.request_id]
+            n = sched.num_query_tokens(req.request_id)     # lookahead slots stay unused here
             start = req.num_computed_tokens
             spec = sched.spec_token_ids.get(req.request_id, ())
             input_ids.extend(req.all_token_ids[start:start + n - len(spec)])

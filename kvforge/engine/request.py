@@ -61,6 +61,9 @@ class Request:
         # speculative decoding: tokens proposed for after the last one (kvforge/spec); the
         # scheduler verifies them with the last token, or drops them
         self.spec_token_ids: list[int] = []
+        # multi-step decoding: extra tokens the engine wants this decode to generate in its
+        # next step (engine/decode_steps.py sets it before each schedule; 0 = one token)
+        self.num_lookahead_tokens = 0
 
         self.num_preemptions = 0
         self.num_swaps = 0                  # preemptions whose KV went to a slower tier

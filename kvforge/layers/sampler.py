@@ -29,7 +29,7 @@ from kvforge.engine.request import Request
 from kvforge.kernels import ops as kernel_ops
 
 # Below this temperature a row is treated as greedy: dividing logits by it would overflow.
-_GREEDY_TEMPERATURE = 1e-5
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _flat_pairs(rows: list[int], seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ class SamplingBatch:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size!r}")
         params = [r.sampling_params for r in requests]
-        greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
+        greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
 
         def f32(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)

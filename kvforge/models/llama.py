@@ -166,6 +166,45 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
                 self._place_lm_head()
         return self._decode_stack
 
+    def can_decode_steps(self, num_seqs: int) -> bool:
+        """Whether ``decode_steps`` runs ``num_seqs`` rows: the compiled stack with fp32
+        kernels for every projection and an fp32 LM head and embedding table."""
+        stack = self.decode_stack()
+        return (stack is not None and stack.can_generate(num_seqs)
+                and self._head_and_table() is not None)
+
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, num_steps: int,
+                     kv_caches: list[torch.Tensor], block_tables: torch.Tensor) -> torch.Tensor:
+        """``num_steps`` greedy decode steps of a batch of sequences in one compiled call
+        (multi-step decoding, see ``DecodeStack::generate``): sequence i continues from token
+        ``input_ids[i]`` at ``positions[i]``, with KV slots for ``num_steps`` positions in its
+        ``block_tables`` row. Returns the [num_seqs, num_steps] argmax tokens, the ones
+        ``num_steps`` one-step greedy samples would give."""
+        (head, head_packed), (table, table_packed) = self._head_and_table()
+        return self.decode_stack().generate(
+            input_ids, positions, num_steps, kv_caches, block_tables,
+            self.model.rotary_emb.cos_sin_table, table, table_packed, head, head_packed,
+            self.config.vocab_size)
+
+    def _head_and_table(self):
+        """((LM head weight, packed?), (embedding table, packed?)) in fp32, or None."""
+        head, embed = self.lm_head, self.model.embed_tokens
+        if type(head.method) is PackedLinearMethod:
+            head_weight = (head.packed_weight, True)
+        elif type(head.method) is UnquantizedLinearMethod and head.weight.dtype == torch.float32:
+            head_weight = (head.weight, False)
+        else:
+            return None
+        if isinstance(embed, PackedRowsEmbedding):
+            table = (head.packed_weight, True)
+        elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:
+            table = (embed.weight, False)
+        else:
+            return None
+        if head.output_size != self.config.vocab_size or head.bias is not None:
+            return None
+        return head_weight, table
+
     def _place_lm_head(self) -> None:
         """The LM head in huge pages too, packed like the stack's projections when they are (a
         49k x 576 head streams at ~0.9 of a t.sum pass packed vs ~0.77 row-major when memory is

@@ -31,6 +31,14 @@ class SchedulerOutput:
     # speculative decoding: request_id -> proposed tokens scheduled after its last token (they
     # are the last len(...) of its num_scheduled_tokens; only accepted ones become computed)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # multi-step decoding: request_id -> KV slots scheduled after its last token for the tokens
+    # the step goes on to generate (the last ones of num_scheduled_tokens; only the tokens it
+    # returns become computed)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+
+    def num_query_tokens(self, request_id: str) -> int:
+        """Tokens of the request this step feeds in (its scheduled tokens less the lookahead)."""
+        return self.num_scheduled_tokens[request_id] - self.num_lookahead_tokens.get(request_id, 0)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

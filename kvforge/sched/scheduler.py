@@ -41,19 +41,24 @@ class _StepPlan:
     forked: dict[str, str] = field(default_factory=dict)
     forked_requests: list[Request] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
-    def add(self, request: Request, num_tokens: int, copies: list[tuple[int, int]]) -> None:
-        assert 0 < num_tokens <= self.tokens_left
+    def add(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
+            num_lookahead: int = 0) -> None:
+        assert 0 < num_tokens <= self.tokens_left and 0 <= num_lookahead < num_tokens
         self.tokens_left -= num_tokens
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.requests[request.request_id] = request
         self.block_copies.extend((request.request_id, copy) for copy in copies)
+        if num_lookahead:
+            self.num_lookahead_tokens[request.request_id] = num_lookahead
 
     def remove(self, request_id: str) -> None:
         """Undo ``add`` for a request preempted later in the same step."""
         if request_id in self.requests:
             del self.requests[request_id]
             self.tokens_left += self.num_scheduled_tokens.pop(request_id)
+            self.num_lookahead_tokens.pop(request_id, None)
             # its copy destinations were freed with its blocks
             self.block_copies = [(rid, c) for rid, c in self.block_copies if rid != request_id]
 
@@ -72,7 +77,14 @@ class _StepPlan:
             forked_requests=list(self.forked_requests),
             preempted_request_ids=list(self.preempted_request_ids),
             spec_token_ids={r.request_id: list(r.spec_token_ids) for r in ordered
-                            if r.spec_token_ids})
+                            if r.spec_token_ids},
+            num_lookahead_tokens=dict(self.num_lookahead_tokens))
+
+
+def _num_ahead(output: SchedulerOutput, request_id: str) -> int:
+    """Slots scheduled after a request's last token: proposed tokens or multi-step lookahead."""
+    return (len(output.spec_token_ids.get(request_id, ()))
+            + output.num_lookahead_tokens.get(request_id, 0))
 
 
 class Scheduler:
@@ -240,6 +252,14 @@ class Scheduler:
         del spec[max(0, tokens_left - num_tokens):]
         return len(spec)
 
+    @staticmethod
+    def _num_lookahead_tokens(request: Request, num_tokens: int, tokens_left: int) -> int:
+        """Multi-step decoding: KV slots for the tokens a decode goes on to generate in this
+        step (``request.num_lookahead_tokens``, as many as the budget takes)."""
+        if num_tokens != 1 or request.num_remaining_tokens != 1 or request.spec_token_ids:
+            return 0
+        return max(0, min(request.num_lookahead_tokens, tokens_left - num_tokens))
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -250,17 +270,22 @@ class Scheduler:
             if num_tokens == 0:
                 continue
             num_tokens += self._num_spec_tokens(request, num_tokens, plan.tokens_left)
-            if not self._allocate_or_preempt(request, num_tokens, plan):
+            lookahead = self._num_lookahead_tokens(request, num_tokens, plan.tokens_left)
+            if not self._allocate_or_preempt(request, num_tokens, plan, lookahead):
                 break
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
-        """Allocate for a running request, preempting victims until it fits; False if the
-        request itself had to go."""
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan,
+                             num_lookahead: int = 0) -> bool:
+        """Allocate for a running request (plus ``num_lookahead`` slots), preempting victims
+        until it fits; False if the request itself had to go."""
         while True:
-            slots = self.kv_manager.allocate_slots(request, num_tokens)
+            slots = self.kv_manager.allocate_slots(request, num_tokens + num_lookahead)
             if slots is not None:
-                plan.add(request, num_tokens, slots.block_copies)
+                plan.add(request, num_tokens + num_lookahead, slots.block_copies, num_lookahead)
                 return True
+            if num_lookahead:                    # one token a step before preempting anyone
+                num_lookahead = 0
+                continue
             if request.spec_token_ids:           # drop speculation before preempting anyone
                 num_tokens -= len(request.spec_token_ids)
                 request.spec_token_ids = []
@@ -282,6 +307,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
+        request.num_lookahead_tokens = 0
         self.waiting.prepend(request)
         plan.remove(request.request_id)
         plan.preempted_request_ids.append(request.request_id)
@@ -364,15 +390,15 @@ class Scheduler:
         for request in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue
-            num_spec = len(output.spec_token_ids.get(request.request_id, ()))
+            num_ahead = _num_ahead(output, request.request_id)
             num_computed = (request.num_computed_tokens
-                            + output.num_scheduled_tokens[request.request_id] - num_spec)
+                            + output.num_scheduled_tokens[request.request_id] - num_ahead)
             if num_computed > request.num_tokens:
                 raise RuntimeError(f"{request!r} scheduled past its last token")
             tokens = sampled.get(request.request_id) or []
-            if len(tokens) > num_spec + 1:
+            if len(tokens) > num_ahead + 1:
                 raise ValueError(f"request {request.request_id!r}: {len(tokens)} tokens for "
-                                 f"{num_spec} proposed")
+                                 f"{num_ahead} slots ahead of its last token")
             if (num_computed == request.num_tokens) != bool(tokens):
                 raise ValueError(f"request {request.request_id!r}: sampled {tokens!r} but "
                                  f"computed {num_computed} of {request.num_tokens} tokens")
@@ -391,16 +417,17 @@ class Scheduler:
         got_tokens: list[Request] = []
         for request, tokens in advanced:
             # speculative decoding: of the proposed tokens only the accepted ones (all emitted
-            # tokens but the last) count as computed; their KV slots hold the right ids
-            num_spec = len(output.spec_token_ids.get(request.request_id, ()))
+            # tokens but the last) count as computed; their KV slots hold the right ids (so do
+            # a multi-step decode's: every token it returns but the last was fed back in)
+            num_ahead = _num_ahead(output, request.request_id)
             request.num_computed_tokens += (output.num_scheduled_tokens[request.request_id]
-                                            - num_spec + max(0, len(tokens) - 1))
+                                            - num_ahead + max(0, len(tokens) - 1))
             if tokens:
                 self._append_tokens(request, tokens, now)
                 got_tokens.append(request)
             # newly computed full blocks become shareable by later (and waiting) requests
             self.kv_manager.cache_computed_blocks(request)
-            if num_spec:                  # blocks holding only rejected slots go back
+            if num_ahead:                  # blocks holding only unused slots go back
                 self.kv_manager.trim(request.request_id, request.num_tokens)
         for child, tokens in forked:
             # it shares the parent's prompt KV, computed in this step

@@ -1,4 +1,5 @@
-"""Greedy output never depends on chunking, token budget, preemption or n > 1 forks."""
+"""Greedy output never depends on chunking, token budget, preemption, n > 1 forks or multi-step
+decoding."""
 from __future__ import annotations
 
 import random
@@ -29,7 +30,8 @@ def _run(path, **engine_kwargs):
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     path, _ = tiny_model_factory("llama", num_hidden_layers=3)
-    baseline, _ = _run(path)
+    # one token a step; the variants below run with the default multi-step decoding on
+    baseline, _ = _run(path, num_decode_steps=1)
     return path, baseline
 
 

@@ -1,7 +1,8 @@
 """Greedy output never depends on the queue policy (fcfs | priority | mlfq), on staggered
-arrivals, on the preemptions a tiny KV pool and MLFQ's slot yielding force, or on whether swap
-copies run inline or on the copy worker (with proactive swap-in) while the model runs;
-integrity is checked after every step, with copies in flight."""
+arrivals, on the preemptions a tiny KV pool and MLFQ's slot yielding force, on multi-step
+decoding under that pressure, or on whether swap copies run inline or on the copy worker (with
+proactive swap-in) while the model runs; integrity is checked after every step, with copies in
+flight."""
 from __future__ import annotations
 
 import random
@@ -24,6 +25,8 @@ def _prompts() -> list[list[int]]:
 def _replay(path, policy: str, mlfq: MLFQConfig | None = None, **engine_kwargs):
     """Request i arrives before step 2 * i; returns ({id: greedy tokens}, {id: metrics},
     the engine's SwapStats or None)."""
+    # one token a step unless a case turns multi-step decoding on: arrivals count in steps
+    engine_kwargs.setdefault("num_decode_steps", 1)
     llm = LLM(path, block_size=BLOCK, scheduling_policy=policy, **engine_kwargs)
     engine = llm.engine
     if mlfq is not None:
@@ -63,6 +66,8 @@ SMALL_QUANTA = MLFQConfig(num_levels=3, base_quantum=8, quantum_growth=2, starva
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,kwargs", [
     ("priority", dict(num_kv_blocks=20, max_num_seqs=2)),
+    # multi-step decoding: lookahead slots dropped under KV pressure before anyone is preempted
+    ("fcfs", dict(num_kv_blocks=20, num_decode_steps=4)),
     ("mlfq", dict(num_kv_blocks=256, max_num_seqs=2)),                 # slot yielding only
     ("mlfq", dict(num_kv_blocks=20, max_num_seqs=3)),
     # swap preemption: host pool, disk only (0 host blocks), the cost model; cache on and off

@@ -338,3 +338,51 @@ def test_check_integrity_catches_waiting_request_holding_blocks():
     sched.kv_manager.allocate_slots(a, 3)
     with pytest.raises(AssertionError, match="holds blocks"):
         sched.check_integrity()
+
+
+def test_decode_lookahead_slots_exact_blocks_and_unused_slots_trimmed():
+    # multi-step decoding: a decode with 3 lookahead tokens gets 1 + 3 slots; the step returns
+    # 4 tokens (all but the last fed back in, so computed) or fewer (unused blocks go back)
+    sched = make_scheduler(num_blocks=10)
+    a = make_request("a", 6)
+    sched.add_request(a)
+    step(sched)                                   # prefill: 6 tokens + 1 sampled = 7
+    a.num_lookahead_tokens = 3
+    out = sched.schedule()
+    assert scheduled(out) == [("a", 4)] and out.num_lookahead_tokens == {"a": 3}
+    assert out.num_query_tokens("a") == 1
+    assert out.block_ids == {"a": [0, 1, 2]}      # positions 6..9: blocks 1 and 2
+    sched.update_from_output(out, {"a": [8, 9, 10, 11]})
+    assert a.num_computed_tokens == 10 and a.output_token_ids == [7, 8, 9, 10, 11]
+    sched.check_integrity()
+    a.num_lookahead_tokens = 7
+    out = sched.schedule()                        # positions 10..17: blocks up to 4
+    assert scheduled(out) == [("a", 8)] and out.block_ids == {"a": [0, 1, 2, 3, 4]}
+    sched.update_from_output(out, {"a": [12, 13]})   # stopped after 2 tokens
+    assert a.num_computed_tokens == 12 and a.num_tokens == 13
+    assert sched.kv_manager.get_block_ids("a") == [0, 1, 2, 3]   # block 4 held no token
+    sched.check_integrity()
+    with pytest.raises(ValueError, match="slots ahead"):
+        a.num_lookahead_tokens = 1
+        out = sched.schedule()
+        sched.update_from_output(out, {"a": [1, 2, 3]})
+
+
+def test_decode_lookahead_capped_by_budget_and_dropped_before_preempting():
+    sched = make_scheduler(num_blocks=4, budget=6)
+    a, b = make_request("a", 6), make_request("b", 2)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    step(sched)                                   # a: 7 tokens (blocks 0, 1), b: 3 (block 2)
+    a.num_lookahead_tokens = b.num_lookahead_tokens = 8
+    out = sched.schedule()
+    # a (computed 7) with 5 lookahead slots (the budget's 6 less its own token) would need
+    # blocks 2 and 3, one more than the pool's last free block: it drops its lookahead instead
+    # of preempting b; b then takes its own token + 4 (the budget left), in that free block
+    assert out.preempted_request_ids == []
+    assert scheduled(out) == [("a", 1), ("b", 5)] and out.num_lookahead_tokens == {"b": 4}
+    assert out.block_ids == {"a": [0, 1], "b": [2, 3]}
+    sched.update_from_output(out, {"a": [1], "b": [2, 3, 4, 5, 6]})
+    assert b.num_computed_tokens == 7 and b.num_tokens == 8 and a.num_computed_tokens == 8
+    sched.check_integrity()

@@ -83,7 +83,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        for _ in range(400):
+        # a budget of 1 token a step runs ~30 requests one token at a time, preemptions redo
+        # prompts: bound the steps by the work (x8 for recompute), not by a fixed count
+        work = sum(r.num_prompt_tokens + r.max_tokens for r in self.all_requests)
+        for _ in range(8 * work + 100):
             if not self.sched.has_unfinished_requests():
                 break
             self.step(token=1)

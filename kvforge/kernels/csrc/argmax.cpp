@@ -12,7 +12,6 @@
 #include "kernels.h"
 
 namespace kvforge {
-namespace {
 
 int64_t argmax_row(const float* x, int64_t n) {
   vec16 best = vec16{} - INFINITY;
@@ -49,8 +48,6 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   return index < 0 ? 0 : index;             // a row of -inf: index 0, as torch
 }
-
-}  // namespace
 
 at::Tensor argmax_rows(at::Tensor logits) {
   check_fp32_cpu(logits, "logits");

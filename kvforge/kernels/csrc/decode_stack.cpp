@@ -160,52 +160,244 @@ class DecodeStack {
                     sin.stride(1) == 1, "cos/sin must be [n, head_dim]");
     check_fp32_cpu(cos, "cos");
     check_fp32_cpu(sin, "sin");
-    int64_t num_slots = -1, block_size = 0;
-    for (const auto& cache : kv_caches) {
-      check_fp32_cpu(cache, "kv_cache");
-      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads_ &&
-                      cache.size(4) == head_dim_ && cache.is_contiguous(),
-                  "kv_cache must be contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
-      num_slots = cache.size(1) * cache.size(2);
-      block_size = cache.size(2);
-    }
+    const auto [num_slots, block_size] = check_caches(kv_caches);
     // bounds, once per step: every slot and every attended block must exist
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t table_stride = block_tables.stride(0);
-    for (int64_t t = 0; t < n; ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-      TORCH_CHECK(lens[t] >= 1 && lens[t] <= block_tables.size(1) * block_size, "seq_len");
-      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
-        TORCH_CHECK(tables[t * table_stride + b] >= 0 &&
-                        tables[t * table_stride + b] * block_size < num_slots, "block id");
-    }
+    for (int64_t t = 0; t < n; ++t)
+      check_row(slots[t], lens[t], tables + t * table_stride, block_tables.size(1), num_slots,
+                block_size);
 
-    const bool team_runs_all = std::all_of(layers_.begin(), layers_.end(), [&](const auto& w) {
-      return w.qkv.team_runnable(n) && w.o.team_runnable(n) && w.gate_up.team_runnable(n) &&
-             w.down.team_runnable(n);
-    });
     const Step step{hidden, kv_caches, slots, tables, table_stride, lens, cos, sin, num_slots,
-                    block_size};
-    return team_runs_all ? forward_team(step) : forward_ops(step);
+                    block_size, n};
+    return team_runs_all(n) ? forward_team(step) : forward_ops(step);
+  }
+
+  // Whether generate() can run n rows: every projection is one of our fp32 kernels.
+  bool can_generate(int64_t n) const { return team_runs_all(n); }
+
+  // `steps` greedy decode steps of n sequences in one call (multi-step decoding: the engine's
+  // Python runs once per call, not once per token). Sequence t starts with token ids[t] at
+  // position positions[t]; its block table already holds slots up to positions[t] + steps - 1.
+  // Each step embeds the rows' tokens, runs every layer (team_layers), the final norm, the LM
+  // head and an argmax; the argmax is the next step's token:
+  //
+  //   step s:   ids --embed--> x --layers--> norm --head--> logits --argmax--> out[:, s] = ids
+  //             K/V of position positions[t] + s written, attention over positions[t] + s + 1 keys
+  //
+  // The argmax is torch.argmax's (argmax_row), and the logits are the same kernel's as the
+  // one-step path's, so the tokens equal `steps` one-step greedy samples. One team region for
+  // all steps (no fork/join between them); the head's columns are claimed like any projection
+  // and each thread argmaxes an even part of the vocabulary; the parts combine in column order.
+  //
+  // embedding: [vocab, hidden] rows, or (embedding_packed) the packed LM head itself (tied);
+  // head: packed or row-major [vocab, hidden]; cos_sin: rotary table [positions, 2, head_dim].
+  at::Tensor generate(at::Tensor ids, at::Tensor positions, int64_t steps,
+                      std::vector<at::Tensor> kv_caches, at::Tensor block_tables,
+                      at::Tensor cos_sin, at::Tensor embedding, bool embedding_packed,
+                      at::Tensor head, bool head_packed, int64_t vocab) {
+    const int64_t n = ids.numel();
+    TORCH_CHECK(steps >= 1, "steps must be >= 1, got ", steps);
+    TORCH_CHECK(n >= 1 && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
+                    positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                    positions.numel() == n, "ids / positions must be int64 [n]");
+    TORCH_CHECK(team_runs_all(n), "generate needs fp32 projections our kernels run");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one kv cache per layer");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                    block_tables.stride(1) == 1 && block_tables.size(0) == n,
+                "block_tables must be int64 [n, m]");
+    check_fp32_cpu(cos_sin, "cos_sin table");
+    TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim_ &&
+                    cos_sin.is_contiguous(), "cos_sin table must be [positions, 2, head_dim]");
+    check_fp32_cpu(embedding, "embedding");
+    check_fp32_cpu(head, "head");
+    if (embedding_packed)
+      check_packed_weight(embedding, hidden_, vocab);
+    else
+      TORCH_CHECK(embedding.dim() == 2 && embedding.size(0) == vocab &&
+                      embedding.size(1) == hidden_ && embedding.is_contiguous(),
+                  "embedding must be [vocab, hidden]");
+    if (head_packed)
+      check_packed_weight(head, hidden_, vocab);
+    else
+      TORCH_CHECK(head.dim() == 2 && head.size(0) == vocab && head.size(1) == hidden_ &&
+                      head.is_contiguous(), "head must be [vocab, hidden]");
+    const auto [num_slots, block_size] = check_caches(kv_caches);
+    const int64_t* id0 = ids.data_ptr<int64_t>();
+    const int64_t* pos0 = positions.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t table_stride = block_tables.stride(0);
+    // every step's slots, lengths and rotary rows, checked before anything runs
+    std::vector<int64_t> slots(steps * n), lens(steps * n);
+    for (int64_t t = 0; t < n; ++t) {
+      TORCH_CHECK(id0[t] >= 0 && id0[t] < vocab, "token id ", id0[t], " out of range");
+      TORCH_CHECK(pos0[t] >= 0 && pos0[t] + steps <= cos_sin.size(0), "position ",
+                  pos0[t] + steps - 1, " past the rotary table (", cos_sin.size(0), ")");
+      for (int64_t s = 0; s < steps; ++s) {
+        const int64_t pos = pos0[t] + s;
+        const int64_t b = pos / block_size;
+        TORCH_CHECK(b < block_tables.size(1), "block table too short for position ", pos);
+        slots[s * n + t] = tables[t * table_stride + b] * block_size + pos % block_size;
+        lens[s * n + t] = pos + 1;
+        check_row(slots[s * n + t], lens[s * n + t], tables + t * table_stride,
+                  block_tables.size(1), num_slots, block_size);
+      }
+    }
+    const auto opts = head.options();
+    const int64_t inter = widest_mlp();
+    SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
+                     opts);
+    at::Tensor logits = at::empty({n, vocab}, opts), out = at::empty({n, steps}, ids.options());
+    at::Tensor cos = at::empty({steps, n, head_dim_}, opts), sin = at::empty_like(cos);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t t = 0; t < n; ++t) {
+        const float* row = cos_sin.data_ptr<float>() + (pos0[t] + s) * 2 * head_dim_;
+        std::copy(row, row + head_dim_, cos.data_ptr<float>() + (s * n + t) * head_dim_);
+        std::copy(row + head_dim_, row + 2 * head_dim_,
+                  sin.data_ptr<float>() + (s * n + t) * head_dim_);
+      }
+    std::vector<at::Tensor> cos_steps, sin_steps;           // [n, head_dim] each
+    for (int64_t s = 0; s < steps; ++s) {
+      cos_steps.push_back(cos[s]);
+      sin_steps.push_back(sin[s]);
+    }
+    const int threads = at::get_num_threads();
+    std::vector<std::unique_ptr<DecodeAttentionPlan>> plans;
+    for (int64_t s = 0; s < steps; ++s)
+      plans.push_back(std::make_unique<DecodeAttentionPlan>(lens.data() + s * n, n, heads_,
+                                                            kv_heads_, head_dim_, block_size,
+                                                            threads));
+    // per step: the layers' claims, then the head's
+    const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
+    std::vector<ShareClaim> claims(steps * step_claims);
+    // each thread's argmax over its part of the vocabulary, per row: [thread][row]
+    std::vector<int64_t> part_best(threads * n);
+    float* logits_p = logits.data_ptr<float>();
+    int64_t* out_p = out.data_ptr<int64_t>();
+    run_team([&](const Team& team) {
+      PrivateBuffers pv(n, hidden_, inter);
+      std::vector<float> x(n * hidden_), normed(n * hidden_);
+      std::vector<int64_t> tokens(id0, id0 + n);
+      const int64_t v0 = Team::split(vocab, team.rank(), team.size()),
+                    v1 = Team::split(vocab, team.rank() + 1, team.size());
+      for (int64_t s = 0; s < steps; ++s) {
+        for (int64_t t = 0; t < n; ++t) {            // every thread embeds every row
+          if (embedding_packed)
+            packed_row(embedding.data_ptr<float>(), hidden_, tokens[t], x.data() + t * hidden_);
+          else
+            std::copy(embedding.data_ptr<float>() + tokens[t] * hidden_,
+                      embedding.data_ptr<float>() + (tokens[t] + 1) * hidden_,
+                      x.data() + t * hidden_);
+        }
+        const Step st{logits, kv_caches, slots.data() + s * n, tables, table_stride,
+                      lens.data() + s * n, cos_steps[s], sin_steps[s], num_slots, block_size, n};
+        ShareClaim* claim = claims.data() + s * step_claims;
+        team_layers(team, st, x.data(), *plans[s], claim, sh, pv);
+        add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
+                          final_norm_.data_ptr<float>(), normed.data(), pv.residual.data(), n,
+                          hidden_, eps_);
+        linear_team(normed.data(), hidden_, head.data_ptr<float>(), head_packed, nullptr,
+                    logits_p, n, hidden_, vocab, team,
+                    claim + layers_.size() * kWorks * threads);
+        team.barrier();
+        for (int64_t t = 0; t < n; ++t)
+          part_best[team.rank() * n + t] =
+              v0 + argmax_row(logits_p + t * vocab + v0, v1 - v0);
+        team.barrier();
+        for (int64_t t = 0; t < n; ++t) {   // the parts in column order: torch.argmax's choice
+          int64_t best = part_best[t];
+          for (int r = 1; r < team.size() && logits_p[t * vocab + best] ==
+                                                 logits_p[t * vocab + best]; ++r) {
+            const int64_t i = part_best[r * n + t];
+            const float v = logits_p[t * vocab + i];
+            if (v != v || v > logits_p[t * vocab + best]) best = i;   // first NaN, first max
+          }
+          tokens[t] = best;
+        }
+        if (team.rank() == 0)
+          for (int64_t t = 0; t < n; ++t) out_p[t * steps + s] = tokens[t];
+        team.barrier();    // the parts are read before the next step's head overwrites them
+      }
+    });
+    return out;
   }
 
  private:
   struct Step {              // one forward's inputs, checked
-    const at::Tensor& hidden;
+    const at::Tensor& hidden;      // forward: the embedded rows; generate: any fp32 tensor
     const std::vector<at::Tensor>& kv_caches;
     const int64_t *slots, *tables;
     int64_t table_stride;
     const int64_t* lens;
     const at::Tensor &cos, &sin;
     int64_t num_slots, block_size;
+    int64_t n;                     // rows (sequences) this step
   };
 
-  // The whole step in one parallel region (team.h): every thread runs the layers below,
-  // projections and attention split between the threads, a barrier wherever a thread reads what
-  // another wrote. The small row ops (norms, SwiGLU) each thread runs itself, over every row
-  // into private buffers: cheaper than a barrier and a hand-off between cores.
+  bool team_runs_all(int64_t n) const {
+    return std::all_of(layers_.begin(), layers_.end(), [&](const auto& w) {
+      return w.qkv.team_runnable(n) && w.o.team_runnable(n) && w.gate_up.team_runnable(n) &&
+             w.down.team_runnable(n);
+    });
+  }
+
+  struct CacheGeometry {
+    int64_t num_slots, block_size;
+  };
+  CacheGeometry check_caches(const std::vector<at::Tensor>& kv_caches) const {
+    int64_t num_slots = -1, block_size = 0;
+    for (const auto& cache : kv_caches) {
+      check_fp32_cpu(cache, "kv_cache");
+      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads_ &&
+                      cache.size(4) == head_dim_ && cache.is_contiguous(),
+                  "kv_cache must be contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+      TORCH_CHECK(num_slots < 0 || num_slots == cache.size(1) * cache.size(2),
+                  "every layer's kv cache must have the same blocks");
+      num_slots = cache.size(1) * cache.size(2);
+      block_size = cache.size(2);
+    }
+    return {num_slots, block_size};
+  }
+
+  // a row's slot and every block it attends must exist
+  static void check_row(int64_t slot, int64_t len, const int64_t* table, int64_t table_len,
+                        int64_t num_slots, int64_t block_size) {
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot out of range");
+    TORCH_CHECK(len >= 1 && len <= table_len * block_size, "seq_len");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] * block_size < num_slots, "block id");
+  }
+
+  // Buffers a team step writes on one thread and reads on all (forward_team, generate).
+  struct SharedBuffers {
+    at::Tensor qkv, attn, o, gate_up, x;
+    SharedBuffers(int64_t n, int64_t hidden, int64_t qkv_width, int64_t q_width, int64_t inter,
+                  const at::TensorOptions& opts)
+        : qkv(at::empty({n, qkv_width}, opts)), attn(at::empty({n, q_width}, opts)),
+          o(at::empty({n, hidden}, opts)), gate_up(at::empty({n, 2 * inter}, opts)),
+          x(at::empty({n, hidden}, opts)) {}
+  };
+  // What each thread of a team keeps to itself: the residual stream, norm and SwiGLU outputs.
+  struct PrivateBuffers {
+    std::vector<float> residual, h, act, scores;
+    PrivateBuffers(int64_t n, int64_t hidden, int64_t inter)
+        : residual(n * hidden), h(n * hidden), act(n * inter) {}
+  };
+  // per layer: claims of qkv, attention tasks, merges, o, gate_up, down (a thread each)
+  static constexpr int kWorks = 6;
+
+  int64_t widest_mlp() const {            // Llama's MLPs are all alike; take the widest
+    int64_t inter = 0;
+    for (const auto& w : layers_) inter = std::max(inter, w.down.in_features());
+    return inter;
+  }
+
+  // Every layer of one step on this thread of a team (the whole step in one parallel region,
+  // team.h): projections and attention split between the threads, a barrier wherever a thread
+  // reads what another wrote. The small row ops (norms, SwiGLU) each thread runs itself, over
+  // every row into private buffers: cheaper than a barrier and a hand-off between cores.
   //
   //   residual, h = norm(residual + x)             private (every thread, same values)
   //   qkv = h @ Wqkv^T            columns shared       -> barrier
@@ -216,95 +408,102 @@ class DecodeStack {
   //   gu = h @ Wgu^T              columns shared       -> barrier
   //   act = silu(gate) * up                        private
   //   x = act @ Wdown^T           columns shared       -> barrier
-  at::Tensor forward_team(const Step& st) {
-    const int64_t n = st.hidden.size(0);
+  //
+  // On return the last layer's output is in sh.x and the residual stream in pv.residual;
+  // `embedded` [n, hidden] is the first layer's input; `claims`: layers * kWorks * team size.
+  void team_layers(const Team& team, const Step& st, const float* embedded,
+                   DecodeAttentionPlan& plan, ShareClaim* claims, SharedBuffers& sh,
+                   PrivateBuffers& pv) const {
+    const int64_t n = st.n;
     const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
     const int64_t qkv_width = q_width + 2 * kv_row;
-    int64_t inter = 0;                  // the widest MLP (Llama's are all alike)
-    for (const auto& w : layers_) inter = std::max(inter, w.down.in_features());
-    const auto opts = st.hidden.options();
-    // written by one thread, read by all
-    at::Tensor qkv = at::empty({n, qkv_width}, opts), attn = at::empty({n, q_width}, opts),
-               o = at::empty({n, hidden_}, opts), gate_up = at::empty({n, 2 * inter}, opts),
-               x = at::empty({n, hidden_}, opts), out = at::empty({n, hidden_}, opts);
-    float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>(),
-          *o_p = o.data_ptr<float>(), *gu_p = gate_up.data_ptr<float>(),
-          *x_p = x.data_ptr<float>();
-    const int threads = at::get_num_threads();
-    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, st.block_size, threads);
-    // per layer: claims of qkv, attention tasks, merges, o, gate_up, down (a thread each)
-    constexpr int kWorks = 6;
-    std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
+    const int threads = team.size();
+    float *qkv_p = sh.qkv.data_ptr<float>(), *attn_p = sh.attn.data_ptr<float>(),
+          *o_p = sh.o.data_ptr<float>(), *gu_p = sh.gate_up.data_ptr<float>(),
+          *x_p = sh.x.data_ptr<float>();
+    float *residual = pv.residual.data(), *h = pv.h.data(), *act = pv.act.data();
     const float *cos_p = st.cos.data_ptr<float>(), *sin_p = st.sin.data_ptr<float>();
     const int64_t cs = st.cos.stride(0), ss = st.sin.stride(0);
-    run_team([&](const Team& team) {
-      std::vector<float> residual(n * hidden_), h(n * hidden_), act(n * inter), scores;
-      // q heads this thread rotates, KV heads it rotates and writes
-      const int64_t h0 = Team::split(heads_, team.rank(), team.size()),
-                    h1 = Team::split(heads_, team.rank() + 1, team.size());
-      const int64_t k0 = Team::split(kv_heads_, team.rank(), team.size()),
-                    k1 = Team::split(kv_heads_, team.rank() + 1, team.size());
-      for (size_t l = 0; l < layers_.size(); ++l) {
-        const LayerWeights& w = layers_[l];
-        ShareClaim* claim = claims.data() + l * kWorks * threads;    // work i: claim + i * threads
-        if (l == 0) {
-          const float* embedded = st.hidden.data_ptr<float>();
-          std::copy(embedded, embedded + n * hidden_, residual.begin());
-          add_rms_norm_rows(embedded, hidden_, nullptr, 0, w.ln1.data_ptr<float>(), h.data(),
-                            nullptr, n, hidden_, eps_);
-        } else {
-          add_rms_norm_rows(x_p, hidden_, residual.data(), hidden_, w.ln1.data_ptr<float>(),
-                            h.data(), residual.data(), n, hidden_, eps_);
-        }
-        w.qkv.run(h.data(), hidden_, qkv_p, n, team, claim);
-        team.barrier();
-        float* cache = st.kv_caches[l].data_ptr<float>();
-        const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
-        float* my_q = qkv_p + h0 * head_dim_;
-        float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
-        rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0,
-                    head_dim_);
-        rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0,
-                    head_dim_);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* k = my_k + t * qkv_width;
-          const int64_t slot = st.slots[t] * kv_row + k0 * head_dim_;
-          std::copy(k, k + (k1 - k0) * head_dim_, cache + slot);
-          std::copy(k + kv_row, k + kv_row + (k1 - k0) * head_dim_, cache + plane + slot);
-        }
-        team.barrier();
-        const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,
-                           head_dim_};
-        const PagedKV values{cache + plane, st.block_size * kv_row, kv_row, head_dim_,
-                             st.block_size, head_dim_};
-        team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
-                        [&](int64_t t0, int64_t t1, int64_t) {
-          for (int64_t t = t0; t < t1; ++t)
-            plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables,
-                          st.table_stride, scale_, attn_p, scores);
-        });
-        if (plan.num_merges() > 0) {
-          team.barrier();
-          team.for_shares(plan.num_merges(), 1, claim + 2 * threads,
-                          [&](int64_t i0, int64_t i1, int64_t) {
-            for (int64_t i = i0; i < i1; ++i) plan.merge(i, attn_p);
-          });
-        }
-        team.barrier();
-        w.o.run(attn_p, q_width, o_p, n, team, claim + 3 * threads);
-        team.barrier();
-        add_rms_norm_rows(o_p, hidden_, residual.data(), hidden_, w.ln2.data_ptr<float>(),
-                          h.data(), residual.data(), n, hidden_, eps_);
-        w.gate_up.run(h.data(), hidden_, gu_p, n, team, claim + 4 * threads);
-        team.barrier();
-        const int64_t width = w.down.in_features();
-        silu_and_mul_rows(gu_p, 2 * width, act.data(), n, width);
-        w.down.run(act.data(), width, x_p, n, team, claim + 5 * threads);
-        team.barrier();
+    // q heads this thread rotates, KV heads it rotates and writes
+    const int64_t h0 = Team::split(heads_, team.rank(), threads),
+                  h1 = Team::split(heads_, team.rank() + 1, threads);
+    const int64_t k0 = Team::split(kv_heads_, team.rank(), threads),
+                  k1 = Team::split(kv_heads_, team.rank() + 1, threads);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerWeights& w = layers_[l];
+      ShareClaim* claim = claims + l * kWorks * threads;    // work i: claim + i * threads
+      if (l == 0) {
+        std::copy(embedded, embedded + n * hidden_, residual);
+        add_rms_norm_rows(embedded, hidden_, nullptr, 0, w.ln1.data_ptr<float>(), h, nullptr, n,
+                          hidden_, eps_);
+      } else {
+        add_rms_norm_rows(x_p, hidden_, residual, hidden_, w.ln1.data_ptr<float>(), h, residual,
+                          n, hidden_, eps_);
       }
+      w.qkv.run(h, hidden_, qkv_p, n, team, claim);
+      team.barrier();
+      float* cache = st.kv_caches[l].data_ptr<float>();
+      const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
+      float* my_q = qkv_p + h0 * head_dim_;
+      float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
+      rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0, head_dim_);
+      rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0, head_dim_);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = my_k + t * qkv_width;
+        const int64_t slot = st.slots[t] * kv_row + k0 * head_dim_;
+        std::copy(k, k + (k1 - k0) * head_dim_, cache + slot);
+        std::copy(k + kv_row, k + kv_row + (k1 - k0) * head_dim_, cache + plane + slot);
+      }
+      team.barrier();
+      const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,
+                         head_dim_};
+      const PagedKV values{cache + plane, st.block_size * kv_row, kv_row, head_dim_,
+                           st.block_size, head_dim_};
+      team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
+                      [&](int64_t t0, int64_t t1, int64_t) {
+        for (int64_t t = t0; t < t1; ++t)
+          plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables, st.table_stride,
+                        scale_, attn_p, pv.scores);
+      });
+      if (plan.num_merges() > 0) {
+        team.barrier();
+        team.for_shares(plan.num_merges(), 1, claim + 2 * threads,
+                        [&](int64_t i0, int64_t i1, int64_t) {
+          for (int64_t i = i0; i < i1; ++i) plan.merge(i, attn_p);
+        });
+      }
+      team.barrier();
+      w.o.run(attn_p, q_width, o_p, n, team, claim + 3 * threads);
+      team.barrier();
+      add_rms_norm_rows(o_p, hidden_, residual, hidden_, w.ln2.data_ptr<float>(), h, residual, n,
+                        hidden_, eps_);
+      w.gate_up.run(h, hidden_, gu_p, n, team, claim + 4 * threads);
+      team.barrier();
+      const int64_t width = w.down.in_features();
+      silu_and_mul_rows(gu_p, 2 * width, act, n, width);
+      w.down.run(act, width, x_p, n, team, claim + 5 * threads);
+      team.barrier();
+    }
+  }
+
+  // One step as one team (team_layers), the final norm on the first thread.
+  at::Tensor forward_team(const Step& st) {
+    const int64_t n = st.hidden.size(0);
+    const int64_t inter = widest_mlp();
+    const auto opts = st.hidden.options();
+    SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
+                     opts);
+    at::Tensor out = at::empty({n, hidden_}, opts);
+    const int threads = at::get_num_threads();
+    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, st.block_size, threads);
+    std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
+    run_team([&](const Team& team) {
+      PrivateBuffers pv(n, hidden_, inter);
+      team_layers(team, st, st.hidden.data_ptr<float>(), plan, claims.data(), sh, pv);
       if (team.rank() == 0)
-        add_rms_norm_rows(x_p, hidden_, residual.data(), hidden_, final_norm_.data_ptr<float>(),
-                          out.data_ptr<float>(), residual.data(), n, hidden_, eps_);
+        add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
+                          final_norm_.data_ptr<float>(), out.data_ptr<float>(),
+                          pv.residual.data(), n, hidden_, eps_);
     });
     return out;
   }
@@ -387,7 +586,10 @@ void bind_decode_stack(pybind11::module& m) {
                           int64_t, int64_t, int64_t, double>())
       // the GIL is released while a step runs, so Python threads (swap copies, the server)
       // keep going; quantized projections re-acquire it for their module call
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("can_generate", &DecodeStack::can_generate)
+      .def("generate", &DecodeStack::generate,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace kvforge

@@ -358,15 +358,16 @@ at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features) 
     TORCH_CHECK(id[t] >= 0 && id[t] < out_features, "token id ", id[t], " out of range [0, ",
                 out_features, ")");
   auto rows = at::empty({n, in}, packed.options());
-  const float* p = packed.data_ptr<float>();
-  float* r = rows.data_ptr<float>();
-  for (int64_t t = 0; t < n; ++t) {
-    const float* group = p + (id[t] / kPackRows) * kPackRows * in + (id[t] % kPackRows) * kLanes;
-    for (int64_t kb = 0; kb < in / kLanes; ++kb)
-      std::copy(group + kb * kPackRows * kLanes, group + kb * kPackRows * kLanes + kLanes,
-                r + t * in + kb * kLanes);
-  }
+  for (int64_t t = 0; t < n; ++t)
+    packed_row(packed.data_ptr<float>(), in, id[t], rows.data_ptr<float>() + t * in);
   return rows;
+}
+
+void packed_row(const float* packed, int64_t in, int64_t row, float* out) {
+  const float* group = packed + (row / kPackRows) * kPackRows * in + (row % kPackRows) * kLanes;
+  for (int64_t kb = 0; kb < in / kLanes; ++kb)
+    std::copy(group + kb * kPackRows * kLanes, group + kb * kPackRows * kLanes + kLanes,
+              out + kb * kLanes);
 }
 
 }  // namespace kvforge

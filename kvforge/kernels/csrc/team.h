@@ -26,9 +26,10 @@ struct TeamSync {
   alignas(64) std::atomic<int> phase{0};
 };
 
-// Claims on one thread's share of a range of work units, on a cache line of its own: the chunks
+// Claims on one thread's share of a range of work units, on a cache line of its own: the units
 // taken from the front (by the owner) in the low 32 bits, from the back (by the others) in the
-// high 32. One atomic add per chunk; a claim holds while front + back taken stay <= chunks.
+// high 32. One atomic add per chunk; a claim holds the units of its chunk that front + back
+// taken had left before it.
 struct alignas(64) ShareClaim {
   std::atomic<int64_t> taken{0};
 };
@@ -61,33 +62,43 @@ class Team {
     }
   }
 
-  // Runs f(u0, u1, ahead_end) over units [0, total) in chunks of `chunk` (ahead_end: where this
-  // thread's reading may run on to, for prefetches: its share's end, or the stolen chunk's end,
-  // since it steals backwards): units are split in `size` even
+  // Runs f(u0, u1, ahead_end) over units [0, total) in chunks of at most `max_chunk` units
+  // (ahead_end: where this thread's reading may run on to, for prefetches: its share's end, or
+  // the stolen chunk's end, since it steals backwards): units are split in `size` even
   // contiguous shares; each thread takes its own share's chunks from the front, then the other
   // shares' chunks from their back, so every thread streams forward through its own share and
   // the faster one finishes what is left of the slower one's:
   //
-  //   share of thread 0: [c0 c1 c2 c3 c4 c5]   thread 0 takes c0, c1, ... (front count)
-  //                                     ^--    thread 1, done with its own share, takes c5, c4
+  //   share of thread 0: [c0   c1   c2  c3 c4 c5 c6   c7  ]   thread 0 takes c0, c1, ... (front)
+  //                                        ^--   thread 1, done with its own share, takes c7, c6
   //
-  // `claims`: `size` zeroed ShareClaims, used once. Each unit runs exactly once.
+  // Chunks shrink as a share runs out (a 1/(2 size) part of what is left, guided-scheduling
+  // style): big chunks while the share is long, so a claim is noise next to its reading, and
+  // single units where the two ends meet, so neither thread waits at the next barrier for the
+  // other's last big chunk. `claims`: `size` zeroed ShareClaims, used once. Each unit runs
+  // exactly once: a claim's atomic add returns the exact front + back before it, and it takes
+  // only what they left.
   template <class F>
-  void for_shares(int64_t total, int64_t chunk, ShareClaim* claims, F&& f) const {
+  void for_shares(int64_t total, int64_t max_chunk, ShareClaim* claims, F&& f) const {
+    constexpr int64_t kLow = 0xffffffff;
     for (int v = 0; v < size_; ++v) {
       const int owner = (rank_ + v) % size_;
       const int64_t s0 = split(total, owner, size_), s1 = split(total, owner + 1, size_);
-      const int64_t chunks = (s1 - s0 + chunk - 1) / chunk;
+      const int64_t units = s1 - s0;
       const bool own = v == 0;
-      const int64_t step = own ? 1 : (int64_t{1} << 32);
+      std::atomic<int64_t>& taken = claims[owner].taken;
       while (true) {
-        const int64_t before = claims[owner].taken.fetch_add(step, std::memory_order_relaxed);
-        const int64_t front = before & 0xffffffff, back = before >> 32;
-        if (front + back >= chunks) break;
-        const int64_t c = own ? front : chunks - 1 - back;
-        const int64_t u0 = s0 + c * chunk;
-        const int64_t u1 = std::min(s1, u0 + chunk);
-        f(u0, u1, own ? s1 : u1);
+        const int64_t seen = taken.load(std::memory_order_relaxed);   // sizes the chunk only
+        const int64_t seen_left = units - (seen & kLow) - (seen >> 32);
+        if (seen_left <= 0) break;
+        const int64_t want = std::clamp<int64_t>(seen_left / (2 * size_), 1, max_chunk);
+        const int64_t before =
+            taken.fetch_add(own ? want : want << 32, std::memory_order_relaxed);
+        const int64_t front = before & kLow, back = before >> 32;
+        const int64_t got = std::min(want, units - front - back);
+        if (got <= 0) break;
+        const int64_t u0 = own ? s0 + front : s1 - back - got;
+        f(u0, u0 + got, own ? s1 : u0 + got);
       }
     }
   }
