@@ -75,8 +75,10 @@ class ModelRunner:
 
     @property
     def supports_decode_steps(self) -> bool:
-        """Whether the model has multi-step decoding (engine/decode_steps.py)."""
-        return hasattr(self.model, "can_decode_steps")
+        """Whether the model has multi-step decoding (engine/decode_steps.py) over this cache
+        (the compiled stack reads an fp32 paged cache; an fp8 one decodes a step at a time)."""
+        return (hasattr(self.model, "can_decode_steps")
+                and self.kv_caches[0].dtype == torch.float32)
 
     @property
     def kv_bytes_per_token(self) -> int:
