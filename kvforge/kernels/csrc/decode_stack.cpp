@@ -264,6 +264,7 @@ class DecodeStack {
       sin_steps.push_back(sin[s]);
     }
     const int threads = at::get_num_threads();
+    TORCH_CHECK(vocab >= threads, "vocab ", vocab, " smaller than the team");   // argmax parts
     std::vector<std::unique_ptr<DecodeAttentionPlan>> plans;
     for (int64_t s = 0; s < steps; ++s)
       plans.push_back(std::make_unique<DecodeAttentionPlan>(lens.data() + s * n, n, heads_,
