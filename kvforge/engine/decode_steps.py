@@ -66,7 +66,7 @@ def run_decode_steps(model, sched: SchedulerOutput, kv_caches: list[torch.Tensor
     """The step's tokens, request_id -> k tokens, when every scheduled request is a decode with
     the same k - 1 lookahead slots; None otherwise (the runner then runs one plain step)."""
     requests = sched.scheduled
-    if not requests or sched.forked or sched.spec_token_ids or kv_caches[0].dtype != torch.float32:
+    if not requests or sched.forked or sched.spec_token_ids:
         return None
     lookahead = sched.num_lookahead_tokens
     steps = 1 + lookahead.get(requests[0].request_id, 0)

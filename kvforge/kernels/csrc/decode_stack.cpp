@@ -170,9 +170,9 @@ class DecodeStack {
       check_row(slots[t], lens[t], tables + t * table_stride, block_tables.size(1), num_slots,
                 block_size);
 
-    const Step step{hidden, kv_caches, slots, tables, table_stride, lens, cos, sin, num_slots,
-                    block_size, n};
-    return team_runs_all(n) ? forward_team(step) : forward_ops(step);
+    const Step step{kv_caches, slots, tables, table_stride, lens, cos, sin, num_slots, block_size,
+                    n};
+    return team_runs_all(n) ? forward_team(hidden, step) : forward_ops(hidden, step);
   }
 
   // Whether generate() can run n rows: every projection is one of our fp32 kernels.
@@ -265,11 +265,10 @@ class DecodeStack {
     }
     const int threads = at::get_num_threads();
     TORCH_CHECK(vocab >= threads, "vocab ", vocab, " smaller than the team");   // argmax parts
-    std::vector<std::unique_ptr<DecodeAttentionPlan>> plans;
+    std::vector<DecodeAttentionPlan> plans;
+    plans.reserve(steps);
     for (int64_t s = 0; s < steps; ++s)
-      plans.push_back(std::make_unique<DecodeAttentionPlan>(lens.data() + s * n, n, heads_,
-                                                            kv_heads_, head_dim_, block_size,
-                                                            threads));
+      plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, block_size, threads);
     // per step: the layers' claims, then the head's
     const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
     std::vector<ShareClaim> claims(steps * step_claims);
@@ -292,10 +291,10 @@ class DecodeStack {
                       embedding.data_ptr<float>() + (tokens[t] + 1) * hidden_,
                       x.data() + t * hidden_);
         }
-        const Step st{logits, kv_caches, slots.data() + s * n, tables, table_stride,
-                      lens.data() + s * n, cos_steps[s], sin_steps[s], num_slots, block_size, n};
+        const Step st{kv_caches, slots.data() + s * n, tables, table_stride, lens.data() + s * n,
+                      cos_steps[s], sin_steps[s], num_slots, block_size, n};
         ShareClaim* claim = claims.data() + s * step_claims;
-        team_layers(team, st, x.data(), *plans[s], claim, sh, pv);
+        team_layers(team, st, x.data(), plans[s], claim, sh, pv);
         add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), normed.data(), pv.residual.data(), n,
                           hidden_, eps_);
@@ -326,8 +325,7 @@ class DecodeStack {
   }
 
  private:
-  struct Step {              // one forward's inputs, checked
-    const at::Tensor& hidden;      // forward: the embedded rows; generate: any fp32 tensor
+  struct Step {              // one step's inputs besides the embedded rows, checked
     const std::vector<at::Tensor>& kv_caches;
     const int64_t *slots, *tables;
     int64_t table_stride;
@@ -488,10 +486,10 @@ class DecodeStack {
   }
 
   // One step as one team (team_layers), the final norm on the first thread.
-  at::Tensor forward_team(const Step& st) {
-    const int64_t n = st.hidden.size(0);
+  at::Tensor forward_team(const at::Tensor& hidden, const Step& st) {
+    const int64_t n = st.n;
     const int64_t inter = widest_mlp();
-    const auto opts = st.hidden.options();
+    const auto opts = hidden.options();
     SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
                      opts);
     at::Tensor out = at::empty({n, hidden_}, opts);
@@ -500,7 +498,7 @@ class DecodeStack {
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);
-      team_layers(team, st, st.hidden.data_ptr<float>(), plan, claims.data(), sh, pv);
+      team_layers(team, st, hidden.data_ptr<float>(), plan, claims.data(), sh, pv);
       if (team.rank() == 0)
         add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), out.data_ptr<float>(),
@@ -511,8 +509,7 @@ class DecodeStack {
 
   // Op by op, each op parallel on its own: any projection, including quantized modules (called
   // back into Python) and row-major weights past kLinearRowsMax rows (MKL).
-  at::Tensor forward_ops(const Step& st) {
-    const at::Tensor& hidden = st.hidden;
+  at::Tensor forward_ops(const at::Tensor& hidden, const Step& st) {
     const int64_t n = hidden.size(0);
     const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
     const int64_t num_slots = st.num_slots, block_size = st.block_size;
