@@ -257,9 +257,8 @@ inline int64_t linear_grain(int64_t in, int64_t unit_rows) {
   return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(in * unit_rows, 1));
 }
 
-// Chunks a team claims (Team::for_shares): ~256 KB of W, so a claim (an atomic add and a new
-// stream) is noise next to reading the chunk, and the faster thread's help at the end is still
-// fine-grained (~7% of gate_up's 3.5 MB share). SmolLM2 batch-1 steps, alternated: 128-512 KB
+// Chunks a team claims (Team::for_shares): at most ~256 KB of W (smaller as a share runs out),
+// so a claim (an atomic add and a new stream) is noise next to reading the chunk. SmolLM2 batch-1 steps, alternated: 128-512 KB
 // alike, 64 KB 1% slower, 32 KB 6%, 1 MB 2%.
 constexpr int64_t kClaimBytes = 256 * 1024;
 
