@@ -139,13 +139,13 @@ void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t r
 // == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out);
-// One thread's part of y = x @ W^T (+ bias, or nullptr) inside a team's region, W packed or
-// row-major (any rows for packed, kLinearRowsMin..kLinearRowsMax row-major): the columns in
-// balanced shares (Team::for_shares, `claims`: team-size zeroed ShareClaims, used once).
 // row `row` of a packed weight (in floats wide) into out[0:in] (a tied LM head's embedding)
 void packed_row(const float* packed, int64_t in, int64_t row, float* out);
 // torch.argmax of one row: the first index of the maximum, the first NaN if any (argmax.cpp)
 int64_t argmax_row(const float* x, int64_t n);
+// One thread's part of y = x @ W^T (+ bias, or nullptr) inside a team's region, W packed or
+// row-major (any rows for packed, kLinearRowsMin..kLinearRowsMax row-major): the columns in
+// balanced shares (Team::for_shares, `claims`: team-size zeroed ShareClaims, used once).
 void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
                  float* y, int64_t rows, int64_t in, int64_t out, const Team& team,
                  ShareClaim* claims);

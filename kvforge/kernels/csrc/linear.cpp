@@ -258,8 +258,8 @@ inline int64_t linear_grain(int64_t in, int64_t unit_rows) {
 }
 
 // Chunks a team claims (Team::for_shares): at most ~256 KB of W (smaller as a share runs out),
-// so a claim (an atomic add and a new stream) is noise next to reading the chunk. SmolLM2 batch-1 steps, alternated: 128-512 KB
-// alike, 64 KB 1% slower, 32 KB 6%, 1 MB 2%.
+// so a claim (an atomic add and a new stream) is noise next to reading the chunk. SmolLM2
+// batch-1 steps, alternated: 128-512 KB alike, 64 KB 1% slower, 32 KB 6%, 1 MB 2%.
 constexpr int64_t kClaimBytes = 256 * 1024;
 
 void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
