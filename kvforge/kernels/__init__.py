@@ -31,12 +31,14 @@ def kernels_enabled() -> bool:
 
 
 def _build_dir() -> Path:
-    # -march=native code is only valid on this kind of CPU: key the cache by CPU flags + torch
+    # -march=native code is only valid on this kind of CPU: key the cache by CPU flags + torch.
+    # The sources' directory is in the key too: torch's build.ninja names absolute source paths,
+    # so two checkouts sharing one directory would rewrite it and rebuild (~1 minute) in turn.
     try:
         cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
     except OSError:
         cpu = platform.processor()
-    digest = hashlib.sha256(f"{cpu}|{torch.__version__}".encode())
+    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{_CSRC.resolve()}".encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.read_bytes())
     key = digest.hexdigest()

@@ -329,6 +329,25 @@ def test_fallback_when_disabled(monkeypatch):
     torch.testing.assert_close(ops.silu_and_mul(gu), F.silu(gu[:, :5]) * gu[:, 5:])
 
 
+def test_build_cache_keyed_by_checkout_and_sources(monkeypatch, tmp_path):
+    """Two checkouts of the same sources get their own build directories (torch's build.ninja
+    names absolute paths: a shared one would rebuild each time the other checkout loads it);
+    the same checkout keeps one until a source changes."""
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    checkouts = []
+    for name in ("a", "b"):
+        csrc = tmp_path / name / "csrc"
+        shutil.copytree(kernels._CSRC, csrc)
+        checkouts.append(csrc)
+    dirs = []
+    for csrc in checkouts:
+        monkeypatch.setattr(kernels, "_CSRC", csrc)
+        dirs.append(kernels._build_dir())
+        assert kernels._build_dir() == dirs[-1]
+    assert dirs[0] != dirs[1] and dirs[0].parent == tmp_path / "cache" / "kernels"
+    (checkouts[1] / "team.h").write_text((checkouts[1] / "team.h").read_text() + "\n// edited\n")
+    assert kernels._build_dir() != dirs[1]
+
 def _greedy(llm, prompts, max_tokens=24):
     from kvforge.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
