@@ -348,6 +348,7 @@ def test_build_cache_keyed_by_checkout_and_sources(monkeypatch, tmp_path):
     (checkouts[1] / "team.h").write_text((checkouts[1] / "team.h").read_text() + "\n// edited\n")
     assert kernels._build_dir() != dirs[1]
 
+
 def _greedy(llm, prompts, max_tokens=24):
     from kvforge.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)

@@ -72,7 +72,7 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(server, offline):
         server.in_engine(lambda e: e.__dict__.pop("abort_request"))
     for i in range(8):
         assert got[i] == (None if i % 2 else want[i])
-    # exactly the four dropped requests were cut short, each after the 3 chunks we read and long
+    # exactly the four dropped requests were cut short, each after the 3 chunks we read and
     # before its 450 tokens; the kept ones ran to their end
     assert len(aborted_at) == 4, aborted_at
     assert all(3 <= n < 450 for n in aborted_at), aborted_at
