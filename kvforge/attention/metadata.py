@@ -18,6 +18,14 @@ from dataclasses import dataclass
 import torch
 
 
+def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """One int64 tensor [num_seqs, max(1, longest table)] for every table, padded with block 0
+    (never read: attention stops at each sequence's length); [1, 1] when there is none."""
+    max_blocks = max(max((len(b) for b in block_tables), default=0), 1)
+    return torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables] or [[0]],
+                        dtype=torch.int64)
+
+
 @dataclass
 class AttentionMetadata:
     num_decodes: int                 # sequences with exactly one query token, first in the batch
@@ -54,10 +62,7 @@ class AttentionMetadata:
             if q != 1:
                 break
             num_decodes += 1
-        max_blocks = max(max((len(b) for b in block_tables), default=0), 1)
-        # one tensor for every table, padded with block 0 (never read past seq_lens)
-        bt = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables] or [[0]],
-                          dtype=torch.int64)[:num_seqs]
+        bt = padded_block_tables(block_tables)[:num_seqs]
         if num_decodes == num_seqs:
             # every sequence adds one token at position = its context length: a few list
             # comprehensions and one tensor beat ~20 small tensor ops at decode batch sizes

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.attention.metadata import padded_block_tables
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.layers.sampler import GREEDY_TEMPERATURE
 from kvforge.sched.output import SchedulerOutput
@@ -76,9 +77,7 @@ def run_decode_steps(model, sched: SchedulerOutput, kv_caches: list[torch.Tensor
         if (lookahead[req.request_id] != steps - 1 or sched.num_query_tokens(req.request_id) != 1
                 or req.num_computed_tokens != req.num_tokens - 1):
             return None
-    tables = [sched.block_ids[r.request_id] for r in requests]
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    block_tables = padded_block_tables([sched.block_ids[r.request_id] for r in requests])
     ids = torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64)
     positions = torch.tensor([r.num_computed_tokens for r in requests], dtype=torch.int64)
     tokens = model.decode_steps(ids.to(device), positions.to(device), steps, kv_caches,
