@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -243,10 +244,26 @@ def iter_raw_tensors(path: str | GGUFReader) -> Iterator[RawTensor]:
         yield name, t.tensor_type.name, _torch_shape(t), raw
 
 
+def raw_rows(t: gguf.ReaderTensor) -> torch.Tensor:
+    """A 2-D tensor's bytes as uint8 [rows, row_bytes] in the file's own encoding, over the
+    reader's memory map: no copy, no dequantization (the pages are read when first used).
+
+    The map is read-only; torch warns that it cannot protect such memory from writes, and nothing
+    here writes to it, so that warning is silenced.
+    """
+    shape = _torch_shape(t)
+    if len(shape) != 2:
+        raise ValueError(f"tensor {t.name!r} has shape {shape}; raw rows need a 2-D tensor")
+    raw = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
+
+
 def gguf_chat_template(reader: GGUFReader) -> str | None:
     return _field(reader, "tokenizer.chat_template")
 
 
 __all__ = ["GGMLQuantizationType", "open_gguf", "gguf_to_hf_config", "hf_tensor_name",
-           "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights", "iter_raw_tensors",
+           "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights", "iter_raw_tensors", "raw_rows",
            "gguf_chat_template", "TESTED_TYPES"]

@@ -80,6 +80,11 @@ class QuantizationConfig(ABC):
         the experts float (the default: only weight-only int8/int4 quantize experts)."""
         return None
 
+    def replace_modules(self, model) -> int:
+        """Swap modules other than Linear / FusedMoE before weights load (e.g. GGUF keeps the
+        token embedding in its blocks); returns how many. Default: none."""
+        return 0
+
     def calibrate(self, model, batches) -> None:  # pragma: no cover - only calibrating methods
         raise NotImplementedError(f"{self.name} needs no calibration")
 

@@ -1,123 +1,223 @@
-"""GGUF blocks kept quantized (``--quantization gguf``): Q4_0 / Q4_1 tensors go straight into
-the INT4 format (group 32) without a float copy.
+"""GGUF weights run in the file's own block formats (``--quantization gguf``).
 
-ggml block layouts (32 weights each, fp16 d / m, little-endian):
+Every projection, the LM head and the token embedding keep the file's bytes: a uint8
+[rows, row_bytes] tensor over ``GGUFReader``'s memory map (``gguf_loader.raw_rows``), never
+dequantized at load. The compiled kernels (``kernels/csrc/gguf_blocks.cpp``,
+docs/gguf_native.md) multiply them directly: up to 16 activation rows by 8-bit integer dot
+products, more rows by dequantizing weight tiles for a float GEMM; an embedding lookup
+dequantizes only the rows it looks up. ``--quantization none`` dequantizes everything to fp32
+at load and is the reference.
 
-    Q4_1  [d:2][m:2][qs:16]   w[j] = d * q[j] + m          q[j] = qs[j] & 15,  q[j+16] = qs[j] >> 4
-    Q4_0  [d:2][qs:16]        w[j] = d * (q[j] - 8)
+    file tensor (mmap)                      layer
+    blk.N.attn_q / attn_k / attn_v   ->  qkv_proj: three shards, one raw tensor each
+    blk.N.ffn_gate / ffn_up          ->  gate_up_proj: two shards
+    token_embd (tied: also the head) ->  GGUFEmbedding + lm_head, one raw tensor for both
 
-Our INT4 format is w = (q - 8) * scale + zero (packing.py), so Q4_1 -> scale = d, zero = m + 8d
-and Q4_0 -> scale = d, zero = 0: the 4-bit codes are kept bit for bit. (d and zero are then
-rounded to bf16, the scale type of the CPU kernel: ~0.4% relative, the same order as the bf16
-activations the kernel runs on.)
-
-q_proj / k_proj rows are stored in llama.cpp's rotary order; a row permutation of the codes and
-of their per-row scales is exact, so ``unpermute_qk_rows`` applies to them as to float rows.
-Other tensor types of a linear layer (Q8_0, F16, K-quants, ...) are dequantized and requantized
-by INT4 RTN with group 32; the LM head (the default model's tied Q8_0 embedding) is INT8 per
-channel or float (``lm_head``), and norms / embeddings stay float.
+Shards keep their own type (Q4_K_M files mix Q4_K and Q6_K inside a layer). q_proj / k_proj
+rows of Llama-family files are stored in llama.cpp's rotary order; a permutation of whole rows
+is exact on blocks too, so those two tensors are gathered into RAM in HF order (the only copy).
+Types: ``NATIVE_TYPES``; a projection of another type (Q2_K, Q3_K, IQ*) is an error naming the
+tensor (``--quantization none`` still runs it, dequantized).
 """
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
-from kvforge.layers.linear import LinearMethod
+from kvforge.kernels import cpu_kernels
+from kvforge.layers.linear import Linear, LinearMethod
 from kvforge.loader import gguf_loader
-from kvforge.quant.base import is_lm_head, QuantizationConfig, register_quantization
-from kvforge.quant.int4 import Int4Blocks, Int4LinearMethod
-from kvforge.quant.int8 import lm_head_method
+from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_quantization
 
-logger = logging.getLogger(__name__)
-
-GGUF_GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-_LINEAR_SUFFIXES = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "gate_proj", "up_proj", "down_proj"))
+NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                "Q6_K")
+# HF names of the weights kept as blocks: the projections, the head and the embedding
+_BLOCK_SUFFIXES = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"))
+_BLOCK_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def q4_blocks_to_int4(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
-    """Raw Q4_0 / Q4_1 bytes of a [N, K] tensor -> ``Int4Blocks`` (group 32, codes unchanged)."""
-    if type_name not in _BLOCK_BYTES:
-        raise ValueError(f"cannot keep GGML type {type_name} as int4; only {sorted(_BLOCK_BYTES)}")
-    n, k = shape
-    if k % GGUF_GROUP:
-        raise ValueError(f"{type_name} tensor of shape {shape} has rows not made of 32-wide blocks")
-    blocks = torch.from_numpy(np.array(raw, copy=True)).view(n, k // GGUF_GROUP,
-                                                             _BLOCK_BYTES[type_name])
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-        qs = blocks[..., 4:]
-        zero = m + 8.0 * d
-    else:
-        qs = blocks[..., 2:]
-        zero = torch.zeros_like(d)
-    # byte j holds weight j (low nibble) and weight j + 16 (high nibble) of its block
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
-    return Int4Blocks(codes.contiguous(), d.to(torch.bfloat16), zero.to(torch.bfloat16), k)
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """Rows of a GGUF weight in its file encoding. ``raw`` uint8 [rows, row_bytes] (a view of
+    the file's memory map unless rows were reordered); ``shape`` is the logical (rows, K), so
+    the model's loader checks it like a tensor's."""
+    raw: torch.Tensor
+    type_name: str
+    in_features: int
+    name: str                     # the GGUF tensor name, for error messages
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.in_features)
+
+    @property
+    def type_id(self) -> int:
+        return int(gguf_loader.GGMLQuantizationType[self.type_name])
+
+    @staticmethod
+    def from_float(weight: torch.Tensor, name: str) -> "GGUFBlocks":
+        """A float weight as F32 rows (a layer of a GGUF model that got a float tensor)."""
+        w = weight.detach().to(torch.float32).contiguous()
+        return GGUFBlocks(w.view(torch.uint8).view(w.shape[0], -1), "F32", w.shape[1], name)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, K] by gguf-py's numpy reference (no compiled kernels needed)."""
+        from gguf.quants import dequantize
+        values = dequantize(self.raw.numpy(), gguf_loader.GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
 
-def _permute_rows(b: Int4Blocks, n_head: int) -> Int4Blocks:
-    unperm = gguf_loader.unpermute_qk_rows
-    return Int4Blocks(unperm(b.codes, n_head), unperm(b.scale, n_head), unperm(b.zero, n_head),
-                      b.in_features)
+class GGUFLinearMethod(LinearMethod):
+    """A linear layer over ``GGUFBlocks`` shards. Without the compiled kernels the shards are
+    dequantized once (gguf-py) and multiplied in fp32, so the engine still runs."""
+
+    def create_weights(self, layer, dtype, device):
+        if dtype != torch.float32 or torch.device(device).type not in ("cpu", "meta"):
+            raise ValueError(f"GGUF blocks run on fp32 CPU activations; got dtype {dtype}, "
+                             f"device {device!r}")
+        layer._gguf_shards = []                  # (first output row, GGUFBlocks) as loaded
+        layer.bias = None
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
+                                      requires_grad=False)
+
+    def load_weight(self, layer, kind, loaded, output_offset):
+        rows = slice(output_offset, output_offset + loaded.shape[0])
+        if load_bias_shard(layer, kind, loaded, rows):
+            return
+        blocks = loaded if isinstance(loaded, GGUFBlocks) else GGUFBlocks.from_float(
+            loaded, f"<float rows {output_offset}..>")
+        if blocks.in_features != layer.input_size:
+            raise ValueError(f"GGUF tensor {blocks.name!r} has {blocks.in_features} columns; the "
+                             f"layer takes {layer.input_size}")
+        layer._gguf_shards.append((output_offset, blocks))
+
+    def process_weights_after_loading(self, layer):
+        shards = sorted(layer._gguf_shards, key=lambda s: s[0])
+        expected = 0
+        for offset, blocks in shards:
+            if offset != expected:
+                raise ValueError(f"GGUF layer rows [{expected}, {offset}) were never loaded")
+            expected += blocks.shape[0]
+        if expected != layer.output_size:
+            raise ValueError(f"GGUF layer got {expected} of {layer.output_size} weight rows")
+        blocks = [b for _, b in shards]
+        for i, b in enumerate(blocks):      # visible to state inspection, never saved
+            layer.register_buffer(f"gguf_raw_{i}", b.raw, persistent=False)
+        layer.gguf_blocks = blocks
+        # plain references for apply (called ~120 times a decode step)
+        self._raws = [b.raw for b in blocks]
+        self._types = [b.type_id for b in blocks]
+        self._dense = None
+        if cpu_kernels() is None:
+            self._dense = torch.cat([b.dequantize() for b in blocks])
+
+    def apply(self, layer, x):
+        x2d = x.reshape(-1, layer.input_size)
+        if x2d.dtype != torch.float32 or x2d.stride(-1) != 1:
+            x2d = x2d.float().contiguous()
+        if self._dense is not None:
+            y = torch.nn.functional.linear(x2d, self._dense, layer.bias)
+        else:
+            y = cpu_kernels().gguf_linear(x2d, self._raws, self._types, layer.bias)
+        return y.view(*x.shape[:-1], layer.output_size)
+
+    def lookup_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows ``ids`` of the weight (an embedding lookup): only those rows dequantized."""
+        flat = ids.reshape(-1).long()
+        if self._dense is not None:
+            rows = self._dense.index_select(0, flat)
+        elif len(self._raws) == 1:
+            rows = cpu_kernels().gguf_dequantize(self._raws[0], self._types[0],
+                                                 layer.input_size, flat)
+        else:
+            rows = self.dequantize(layer).index_select(0, flat)
+        return rows.view(*ids.shape, layer.input_size)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        """The whole [out, in] weight in fp32 (reference checks)."""
+        if self._dense is not None:
+            return self._dense.clone()
+        ops = cpu_kernels()
+        return torch.cat([ops.gguf_dequantize(r, t, layer.input_size, None)
+                          for r, t in zip(self._raws, self._types)])
 
 
-def iter_gguf_int4_weights(reader) -> Iterator[tuple[str, object]]:
-    """Like ``gguf_loader.iter_gguf_weights`` but Q4_0/Q4_1 projection weights come out as
-    ``Int4Blocks`` (never dequantized); everything else as float tensors."""
+class GGUFEmbedding(Linear):
+    """A token embedding table kept in GGUF blocks: ``forward(ids)`` dequantizes the rows of
+    ``ids`` only. A Linear (vocab x hidden, the same [rows, K] shape as the tied LM head), so
+    the model loads it like any projection, and a tied head shares its raw tensor."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(embedding_dim, num_embeddings, method=GGUFLinearMethod())
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.method.lookup_rows(self, ids)
+
+
+def _type_error(t, hf_name: str) -> ValueError:
+    return ValueError(f"GGUF tensor {t.name!r} ({hf_name}) has GGML type {t.tensor_type.name}, "
+                      f"which --quantization gguf cannot run natively (supported: "
+                      f"{', '.join(NATIVE_TYPES)}); --quantization none dequantizes it")
+
+
+def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
+    """(HF name, weight): ``GGUFBlocks`` for projections, head and embedding, float tensors
+    for the rest (norms, biases), q/k rows back in HF order."""
     arch = gguf_loader.gguf_architecture(reader)
     config = gguf_loader.gguf_to_hf_config(reader)
     permuted = arch in gguf_loader._PERMUTED_QK_ARCHS
-    requantized = []
+    heads = {".self_attn.q_proj.": config["num_attention_heads"],
+             ".self_attn.k_proj.": config["num_key_value_heads"]}
     for t in reader.tensors:
         name = gguf_loader.hf_tensor_name(t.name)
         if name is None:
             continue
-        type_name = t.tensor_type.name
-        if name.endswith(_LINEAR_SUFFIXES) and type_name in _BLOCK_BYTES:
-            raw = np.asarray(t.data).view(np.uint8).reshape(-1)
-            weight = q4_blocks_to_int4(raw, type_name, gguf_loader._torch_shape(t))
-            row_permute = _permute_rows
+        as_blocks = name in _BLOCK_NAMES or name.endswith(_BLOCK_SUFFIXES)
+        if as_blocks:
+            if t.tensor_type.name not in NATIVE_TYPES:
+                raise _type_error(t, name)
+            shape = gguf_loader._torch_shape(t)
+            weight = GGUFBlocks(gguf_loader.raw_rows(t), t.tensor_type.name, shape[1], t.name)
         else:
             weight = gguf_loader.tensor_to_torch(t)
-            row_permute = gguf_loader.unpermute_qk_rows
-            if name.endswith(_LINEAR_SUFFIXES):
-                requantized.append(f"{name} ({type_name})")
-        if permuted and ".self_attn.q_proj." in name:
-            weight = row_permute(weight, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = row_permute(weight, config["num_key_value_heads"])
+        n_head = next((n for part, n in heads.items() if part in name), None)
+        if permuted and n_head is not None:
+            if as_blocks:    # whole rows gathered into RAM (a copy of these two tensors only)
+                weight = GGUFBlocks(gguf_loader.unpermute_qk_rows(weight.raw, n_head),
+                                    weight.type_name, weight.in_features, weight.name)
+            else:
+                weight = gguf_loader.unpermute_qk_rows(weight, n_head)
         yield name, weight
-    if requantized:
-        logger.warning("gguf: %d linear weights were not Q4_0/Q4_1 and were requantized to int4 "
-                       "by RTN (group 32), e.g. %s", len(requantized), requantized[0])
 
 
 @register_quantization("gguf")
 class GGUFConfig(QuantizationConfig):
-    """Projection layers: INT4 group 32 from the file's Q4 blocks. ``lm_head``: "int8" (default)
-    or "none" (float, e.g. to compare with the dequantized model at kernel tolerance)."""
-
-    def __init__(self, lm_head: str = "int8") -> None:
-        lm_head_method(lm_head, "lm_head")
-        self.lm_head = lm_head
+    """Every linear layer, the LM head and the token embedding in the GGUF file's blocks."""
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
-        if is_lm_head(prefix):
-            return lm_head_method(self.lm_head, prefix)
-        return Int4LinearMethod(GGUF_GROUP)
+        return GGUFLinearMethod()
+
+    def replace_modules(self, model) -> int:
+        """Token embeddings become ``GGUFEmbedding``s (before any weight is loaded)."""
+        replaced = 0
+        for prefix, module in list(model.named_modules()):
+            if type(module) is nn.Embedding and prefix.endswith("embed_tokens"):
+                parent_name, _, leaf = prefix.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, leaf, GGUFEmbedding(module.num_embeddings, module.embedding_dim))
+                replaced += 1
+        return replaced
 
     def iter_weights(self, source):
         if source.format != "gguf":
-            raise ValueError(f"--quantization gguf keeps a GGUF file's blocks; {source.path!r} "
-                             f"is a {source.format} model (use int4 or int8)")
+            raise ValueError(f"--quantization gguf runs a GGUF file's own blocks; "
+                             f"{source.path!r} is a {source.format} model (use int4 or int8)")
         reader = source._reader if source._reader is not None else gguf_loader.open_gguf(source.path)
-        return iter_gguf_int4_weights(reader)
-
-    def describe(self) -> dict:
-        return {"lm_head": self.lm_head}
+        return iter_gguf_block_weights(reader)

@@ -31,7 +31,7 @@ def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig)
     """Give every Linear of ``model`` the method ``quant_config`` picks for its name (None keeps
     it float; MoE routers always stay float) and every FusedMoE its experts' method; must run
     before weights are loaded. Returns the number of layers swapped."""
-    swapped = 0
+    swapped = quant_config.replace_modules(model)
     for prefix, layer in model.named_modules():
         if isinstance(layer, FusedMoE):
             experts = quant_config.get_experts_method(prefix)

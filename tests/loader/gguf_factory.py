@@ -36,12 +36,14 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def tiny_hf_state(seed: int = 0, *, lm_head: bool = False, bias: bool = False,
-                  vocab: int = TINY["vocab"]) -> dict[str, torch.Tensor]:
+                  vocab: int = TINY["vocab"], dims: dict | None = None) -> dict[str, torch.Tensor]:
+    """dims: sizes other than TINY's (e.g. K-quants need 256-wide rows)."""
+    d = dims or TINY
     g = torch.Generator().manual_seed(seed)
-    h, f, hd = TINY["hidden"], TINY["ffn"], TINY["hidden"] // TINY["heads"]
-    kv = TINY["kv_heads"] * hd
+    h, f, hd = d["hidden"], d["ffn"], d["hidden"] // d["heads"]
+    kv = d["kv_heads"] * hd
     state = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
-    for i in range(TINY["layers"]):
+    for i in range(d["layers"]):
         p = f"model.layers.{i}."
         shapes = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
                   "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
@@ -61,18 +63,20 @@ def tiny_hf_state(seed: int = 0, *, lm_head: bool = False, bias: bool = False,
 
 def write_gguf(path: str, state: dict[str, torch.Tensor], *, arch: str = "llama",
                encode: Callable[[str, np.ndarray], tuple[np.ndarray, gguf.GGMLQuantizationType]]
-               | None = None, permute: bool = True, extra: Callable | None = None) -> None:
+               | None = None, permute: bool = True, extra: Callable | None = None,
+               dims: dict | None = None) -> None:
     """Write ``state`` (HF names, float32) as a GGUF file.
 
     encode(hf_name, array) -> (stored array, ggml type) picks each tensor's storage; default F32.
     """
+    d = dims or TINY
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(TINY["layers"])
+    w.add_block_count(d["layers"])
     w.add_context_length(256)
-    w.add_embedding_length(TINY["hidden"])
-    w.add_feed_forward_length(TINY["ffn"])
-    w.add_head_count(TINY["heads"])
-    w.add_head_count_kv(TINY["kv_heads"])
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["ffn"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(state["model.embed_tokens.weight"].shape[0])
@@ -82,9 +86,9 @@ def write_gguf(path: str, state: dict[str, torch.Tensor], *, arch: str = "llama"
         extra(w)
     for name, t in state.items():
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            t = llama_cpp_permute(t, TINY["heads"])
+            t = llama_cpp_permute(t, d["heads"])
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            t = llama_cpp_permute(t, TINY["kv_heads"])
+            t = llama_cpp_permute(t, d["kv_heads"])
         arr = t.numpy().astype(np.float32)
         if encode is None:
             w.add_tensor(gguf_name(name), arr)

@@ -1,4 +1,4 @@
-"""Weight-only quantized models end to end: GGUF Q4_1 blocks kept quantized on the default
+"""Weight-only quantized models end to end: GGUF Q4_1 blocks run natively on the default
 model, and save / reload of an INT4 model without requantizing."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from kvforge import LLM
 from kvforge.eval.perplexity import window_nll
 from kvforge.loader.source import load_model_source
-from kvforge.quant.int4 import Int4LinearMethod
+from kvforge.quant.gguf import GGUFLinearMethod
 from kvforge.quant.loading import load_model
 from kvforge.quant.serialize import QUANT_FILE, read_saved_quantization, save_quantized
 from kvforge.sampling_params import SamplingParams
@@ -32,22 +32,25 @@ def _logits(model, ids):
 
 
 @pytest.mark.slow
-def test_gguf_q4_1_kept_quantized_matches_dequantized_fp32(default_model_path):
+def test_gguf_q4_1_native_matches_dequantized_fp32(default_model_path):
     source = load_model_source(default_model_path)
     fp32 = load_model(source)
-    kept = load_model(source, quantization="gguf", quantization_args={"lm_head": "none"})
-    layer = kept.model.layers[0].self_attn.qkv_proj
-    assert isinstance(layer.method, Int4LinearMethod) and not hasattr(layer, "weight")
-    assert layer.qweight.dtype == torch.uint8             # 4 bits per weight, no float copy
+    native = load_model(source, quantization="gguf")
+    layer = native.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer.method, GGUFLinearMethod) and not hasattr(layer, "weight")
+    assert [b.type_name for b in layer.gguf_blocks] == ["Q4_1"] * 3    # the file's blocks
     for ids in PROMPTS:
-        a, b = _logits(kept, ids), _logits(fp32, ids)
-        # bf16 activations / scales of the kernel: a few tenths of a logit at most
-        assert (a - b).abs().max() < 0.05 * b.abs().max()
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-    del fp32, kept
+        a, b = _logits(native, ids), _logits(fp32, ids)
+        # 8-bit activations (the head's input has outliers ~20x its rms): ~0.5 logit at most
+        assert (a - b).norm() < 0.05 * b.norm()
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+        assert agree >= 0.8, agree
+    del fp32, native
     kw = dict(kv_cache_memory="32MiB", max_model_len=256)
-    assert _greedy(LLM(default_model_path, quantization="gguf", **kw)) == \
-        _greedy(LLM(default_model_path, **kw))
+    native_tokens = _greedy(LLM(default_model_path, quantization="gguf", **kw))
+    fp32_tokens = _greedy(LLM(default_model_path, **kw))
+    # equal up to a near tie: the first tokens agree
+    assert [t[:2] for t in native_tokens] == [t[:2] for t in fp32_tokens]
 
 
 def test_int4_save_reload_gives_identical_outputs(tiny_model_factory, tmp_path):

@@ -8,6 +8,7 @@
 #include "attention.cpp"
 #include "decode_stack.cpp"
 #include "elementwise.cpp"
+#include "gguf_blocks.cpp"
 #include "linear.cpp"
 #include "quest.cpp"
 
@@ -39,5 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("quest_write", &kvforge::quest_write,
         "QUEST: write K/V and recompute written blocks' key min/max (fp32)", release_gil());
+  m.def("gguf_linear", &kvforge::gguf_linear,
+        "x @ W^T (+ bias) over GGUF block-quantized shards (raw uint8 rows, ggml type ids)",
+        release_gil());
+  m.def("gguf_dequantize", &kvforge::gguf_dequantize,
+        "rows (all, or ids) of a raw GGUF tensor dequantized to fp32", release_gil());
   kvforge::bind_decode_stack(m);
 }

@@ -204,5 +204,11 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads);
+// GGUF weights in their block formats (gguf_blocks.cpp): y = x @ [W_0; W_1; ...]^T (+ bias)
+// over raw uint8 [rows, row_bytes] shards of ggml type ids `types`; rows of any subset `ids`
+// (or all) of one raw tensor dequantized to fp32
+at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
+                       c10::optional<at::Tensor> bias);
+at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k, c10::optional<at::Tensor> ids);
 
 }  // namespace kvforge

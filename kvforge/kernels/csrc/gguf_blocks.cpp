@@ -1,0 +1,488 @@
+#include "kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kvforge {
+// GGUF weights multiplied in the file's own block formats (docs/gguf_native.md).
+//
+// Every quantized format is read through one intermediate form, a row of *codes*:
+//
+//   q   int8  [K]        small integers (0..31, -32..31 or int8)
+//   sc  float [K / 16]   scale of each 16 weights
+//   off float [K / 32]   constant added to each 32 weights (Q4_1, Q5_1, Q4_K, Q5_K; else 0)
+//
+//   w[i] = sc[i / 16] * q[i] + off[i / 32]
+//
+// A weight row is unpacked into codes once (a few KB: stays in L1) and then dotted with every
+// activation row. Activation rows are quantized once per call to 32-wide int8 blocks:
+//
+//   xq  int8  [K]        round(x / xd), |xq| <= 127
+//   xd  float [K / 32]   max |x| / 127 of each 32
+//   xs  float [K / 32]   xd * sum(xq) of each 32   (what an `off` multiplies)
+//
+//   dot(w, x) ~ sum_b xd[b] * (sc[2b] * sum_{16} q.xq + sc[2b+1] * sum_{16} q.xq) + off[b] * xs[b]
+//
+// so the inner loop is an 8-bit integer dot product (AVX2: maddubs + madd, 32 weights per step)
+// and the float work is one FMA per 32 weights. Per-16 scales cover Q6_K's 16-weight
+// sub-blocks: maddubs + madd leaves the sums of bytes 0..15 in int32 lanes 0..3 and of bytes
+// 16..31 in lanes 4..7, so the two scales are one [s0 x4 | s1 x4] vector. 32-wide activation
+// blocks (llama.cpp uses 256-wide Q8_K for K-quants) keep one code path for every format and
+// round activations more finely.
+//
+// Many rows (prefill): rows of W are dequantized to fp32 tiles and multiplied by ATen's GEMM.
+namespace {
+
+// ggml's enum ggml_type (gguf-py: GGMLQuantizationType)
+enum GgmlType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+struct BlockFormat {
+  int64_t weights = 0, bytes = 0;   // weights per block, bytes per block
+  bool quantized = false;           // codes (true) or a float row (F32 / F16 / BF16)
+};
+
+BlockFormat block_format(int64_t type) {
+  switch (type) {
+    case kF32: return {1, 4, false};
+    case kF16: return {1, 2, false};
+    case kBF16: return {1, 2, false};
+    case kQ8_0: return {32, 34, true};
+    case kQ4_0: return {32, 18, true};
+    case kQ4_1: return {32, 20, true};
+    case kQ5_0: return {32, 22, true};
+    case kQ5_1: return {32, 24, true};
+    case kQ4_K: return {256, 144, true};
+    case kQ5_K: return {256, 176, true};
+    case kQ6_K: return {256, 210, true};
+    default:
+      TORCH_CHECK(false, "GGML type id ", type, " has no native kernel (supported: F32, F16, "
+                  "BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+  }
+  return {};
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// ---- one block -> codes -------------------------------------------------------------------
+// Each unpacks one block at `b` into q[weights], sc[weights / 16], off[weights / 32]. Byte maps
+// (offsets in bytes, little-endian fp16 scales "d" / "m"):
+
+// Q8_0 (32 weights, 34 bytes)   [d:2][q0 .. q31: int8]                      w = d * q
+inline void unpack_q8_0(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  sc[0] = sc[1] = fp16_at(b);
+  off[0] = 0.f;
+  std::memcpy(q, b + 2, 32);
+}
+
+// Q4_0 (32, 18)   [d:2][qs:16]   byte j = weight j (low nibble) | weight j + 16 (high nibble)
+//                                w = d * (nibble - 8)
+inline void unpack_q4_0(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  sc[0] = sc[1] = fp16_at(b);
+  off[0] = 0.f;
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>((qs[j] & 15) - 8);
+    q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
+  }
+}
+
+// Q4_1 (32, 20)   [d:2][m:2][qs:16]   nibbles as Q4_0      w = d * nibble + m
+inline void unpack_q4_1(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  sc[0] = sc[1] = fp16_at(b);
+  off[0] = fp16_at(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(qs[j] & 15);
+    q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+  }
+}
+
+// Q5_0 (32, 22)   [d:2][qh:4][qs:16]   5-bit code j = nibble j | bit j of qh (uint32) << 4
+//                                      w = d * (code - 16)
+// Q5_1 (32, 24)   [d:2][m:2][qh:4][qs:16]                  w = d * code + m
+inline void unpack_q5(const uint8_t* qh_bytes, const uint8_t* qs, int8_t* q, int bias) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - bias);
+    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+  }
+}
+inline void unpack_q5_0(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  sc[0] = sc[1] = fp16_at(b);
+  off[0] = 0.f;
+  unpack_q5(b + 2, b + 6, q, 16);
+}
+inline void unpack_q5_1(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  sc[0] = sc[1] = fp16_at(b);
+  off[0] = fp16_at(b + 2);
+  unpack_q5(b + 4, b + 8, q, 0);
+}
+
+// K-quants: super-blocks of 256 weights.
+//
+// Q4_K (256, 144)  [d:2][dmin:2][scales:12][qs:128]
+// Q5_K (256, 176)  [d:2][dmin:2][scales:12][qh:32][qs:128]
+//   8 sub-blocks of 32, each with a 6-bit scale s and 6-bit min m:  w = d * s * code - dmin * m
+//   scales (bits, high to low; s0..s7, m0..m7):
+//     byte 0..3    s4..s7 [5:4] | s0..s3        (2 high bits of s4+i over 6 bits of s i)
+//     byte 4..7    m4..m7 [5:4] | m0..m3
+//     byte 8..11   m4..m7 [3:0] | s4..s7 [3:0]  (high nibble m, low nibble s)
+//   qs: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c+1 in its high
+//   Q5_K's fifth bit of sub-block s, weight j: bit s of qh[j]
+inline void k_scale_min(const uint8_t* s, int sub, int* scale, int* min) {
+  if (sub < 4) {
+    *scale = s[sub] & 63;
+    *min = s[sub + 4] & 63;
+  } else {
+    *scale = (s[sub + 4] & 15) | ((s[sub - 4] >> 6) << 4);
+    *min = (s[sub + 4] >> 4) | ((s[sub] >> 6) << 4);
+  }
+}
+inline void k_scales(const uint8_t* b, float* sc, float* off) {
+  const float d = fp16_at(b), dmin = fp16_at(b + 2);
+  for (int sub = 0; sub < 8; ++sub) {
+    int scale, min;
+    k_scale_min(b + 4, sub, &scale, &min);
+    sc[2 * sub] = sc[2 * sub + 1] = d * static_cast<float>(scale);
+    off[sub] = -dmin * static_cast<float>(min);
+  }
+}
+inline void k_nibbles(const uint8_t* qs, int8_t* q) {
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 32; ++j) {
+      q[64 * c + j] = static_cast<int8_t>(qs[32 * c + j] & 15);
+      q[64 * c + 32 + j] = static_cast<int8_t>(qs[32 * c + j] >> 4);
+    }
+}
+inline void unpack_q4_k(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  k_scales(b, sc, off);
+  k_nibbles(b + 16, q);
+}
+inline void unpack_q5_k(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  k_scales(b, sc, off);
+  k_nibbles(b + 48, q);
+  const uint8_t* qh = b + 16;
+  for (int sub = 0; sub < 8; ++sub)
+    for (int j = 0; j < 32; ++j)
+      q[32 * sub + j] = static_cast<int8_t>(q[32 * sub + j] | (((qh[j] >> sub) & 1) << 4));
+}
+
+// Q6_K (256, 210)  [ql:128][qh:64][scales:16 int8][d:2]
+//   16 sub-blocks of 16 weights, w = d * scale[i / 16] * (code - 32), 6-bit code = 4 low bits
+//   from ql | 2 high bits from qh << 4. Two halves h of 128 weights; in half h, 32-groups g:
+//     g   ql byte (j = 0..31)        qh bits of byte qh[32h + j]
+//     0   ql[64h + j]      & 15      [1:0]
+//     1   ql[64h + 32 + j] & 15      [3:2]
+//     2   ql[64h + j]      >> 4      [5:4]
+//     3   ql[64h + 32 + j] >> 4      [7:6]
+inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* sc, float* off) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = fp16_at(b + 208);
+  for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
+  for (int i = 0; i < 8; ++i) off[i] = 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t *l = ql + 64 * h, *hb = qh + 32 * h;
+    int8_t* o = q + 128 * h;
+    for (int j = 0; j < 32; ++j) {
+      o[j] = static_cast<int8_t>(((l[j] & 15) | ((hb[j] & 3) << 4)) - 32);
+      o[32 + j] = static_cast<int8_t>(((l[32 + j] & 15) | (((hb[j] >> 2) & 3) << 4)) - 32);
+      o[64 + j] = static_cast<int8_t>(((l[j] >> 4) | (((hb[j] >> 4) & 3) << 4)) - 32);
+      o[96 + j] = static_cast<int8_t>(((l[32 + j] >> 4) | (((hb[j] >> 6) & 3) << 4)) - 32);
+    }
+  }
+}
+
+template <void (*Unpack)(const uint8_t*, int8_t*, float*, float*), int64_t W, int64_t Bytes>
+void unpack_blocks(const uint8_t* row, int64_t k, int8_t* q, float* sc, float* off) {
+  for (int64_t i = 0; i < k / W; ++i)
+    Unpack(row + i * Bytes, q + i * W, sc + i * (W / 16), off + i * (W / 32));
+}
+
+// one row of a quantized type -> codes (the switch once per row, the blocks inlined)
+void unpack_row(int64_t type, const uint8_t* row, int64_t k, int8_t* q, float* sc, float* off) {
+  switch (type) {
+    case kQ8_0: return unpack_blocks<unpack_q8_0, 32, 34>(row, k, q, sc, off);
+    case kQ4_0: return unpack_blocks<unpack_q4_0, 32, 18>(row, k, q, sc, off);
+    case kQ4_1: return unpack_blocks<unpack_q4_1, 32, 20>(row, k, q, sc, off);
+    case kQ5_0: return unpack_blocks<unpack_q5_0, 32, 22>(row, k, q, sc, off);
+    case kQ5_1: return unpack_blocks<unpack_q5_1, 32, 24>(row, k, q, sc, off);
+    case kQ4_K: return unpack_blocks<unpack_q4_k, 256, 144>(row, k, q, sc, off);
+    case kQ5_K: return unpack_blocks<unpack_q5_k, 256, 176>(row, k, q, sc, off);
+    case kQ6_K: return unpack_blocks<unpack_q6_k, 256, 210>(row, k, q, sc, off);
+    default: TORCH_CHECK(false, "GGML type id ", type, " is not a block-quantized type");
+  }
+}
+
+// a float row (F32 / F16 / BF16) -> fp32
+void float_row(int64_t type, const uint8_t* row, int64_t k, float* out) {
+  if (type == kF32) {
+    std::memcpy(out, row, k * sizeof(float));
+  } else if (type == kF16) {
+    for (int64_t i = 0; i < k; ++i) out[i] = fp16_at(row + 2 * i);
+  } else {
+    for (int64_t i = 0; i < k; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, row + 2 * i, 2);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;   // bf16 = the high half of fp32
+      std::memcpy(out + i, &wide, 4);
+    }
+  }
+}
+
+// Per-thread buffers of one weight row in either form.
+struct RowScratch {
+  std::vector<int8_t> q;
+  std::vector<float> sc, off, values;
+  explicit RowScratch(int64_t k) : q(k), sc(k / 16 + 1), off(k / 32 + 1), values(k) {}
+};
+
+// one row of any supported type -> fp32 values
+void dequantize_row(int64_t type, const BlockFormat& f, const uint8_t* row, int64_t k,
+                    RowScratch& s, float* out) {
+  if (!f.quantized) return float_row(type, row, k, out);
+  unpack_row(type, row, k, s.q.data(), s.sc.data(), s.off.data());
+  for (int64_t i = 0; i < k; ++i)
+    out[i] = s.sc[i / 16] * static_cast<float>(s.q[i]) + s.off[i / 32];
+}
+
+// ---- activations -> 8-bit blocks --------------------------------------------------------
+struct QuantizedRows {
+  std::vector<int8_t> q;        // [rows, K]
+  std::vector<float> d, s;      // [rows, K / 32]
+};
+
+void quantize_activations(const float* x, int64_t xs, int64_t rows, int64_t k,
+                          QuantizedRows& out) {
+  const int64_t blocks = k / 32;
+  out.q.resize(rows * k);
+  out.d.resize(rows * blocks);
+  out.s.resize(rows * blocks);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + r * xs + 32 * b;
+      int8_t* q = out.q.data() + r * k + 32 * b;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+        q[j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      out.d[r * blocks + b] = d;
+      out.s[r * blocks + b] = d * static_cast<float>(sum);
+    }
+}
+
+// ---- codes . quantized activations --------------------------------------------------------
+#if defined(__AVX2__)
+// the 8 int32 partial sums of q[0:32] . x[0:32] as floats: lanes 0..3 bytes 0..15, 4..7 16..31.
+// maddubs multiplies unsigned by signed bytes, so |q| against x with q's sign (|q| <= 128,
+// |x| <= 127: a pair sum fits int16)
+inline __m256 block_dot(const int8_t* q, const int8_t* x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline __m256 block_scale(const float* sc, float xd) {
+  return _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0])),
+                       _mm256_set1_ps(xd));
+}
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+float dot_codes(const int8_t* q, const float* sc, const float* off, const int8_t* xq,
+                const float* xd, const float* xs, int64_t k) {
+  const int64_t blocks = k / 32;
+  float total = 0.f;
+#if defined(__AVX2__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {   // two chains: the FMA latency overlaps
+    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b), block_scale(sc + 2 * b, xd[b]),
+                           acc0);
+    acc1 = _mm256_fmadd_ps(block_dot(q + 32 * b + 32, xq + 32 * b + 32),
+                           block_scale(sc + 2 * b + 2, xd[b + 1]), acc1);
+  }
+  if (b < blocks)
+    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b), block_scale(sc + 2 * b, xd[b]),
+                           acc0);
+  total = hsum256(_mm256_add_ps(acc0, acc1));
+#else
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 16; ++j) lo += q[32 * b + j] * xq[32 * b + j];
+    for (int j = 16; j < 32; ++j) hi += q[32 * b + j] * xq[32 * b + j];
+    total += xd[b] * (sc[2 * b] * static_cast<float>(lo) + sc[2 * b + 1] * static_cast<float>(hi));
+  }
+#endif
+  float offsets = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) offsets += off[b] * xs[b];
+  return total + offsets;
+}
+
+// A projection's shards (q | k | v, gate | up): each its own raw tensor and type.
+struct Shards {
+  std::vector<const uint8_t*> data;
+  std::vector<int64_t> row_stride, type, first_row;   // first_row: prefix sums, + total at end
+  std::vector<BlockFormat> format;
+  bool any_quantized = false;
+
+  Shards(const std::vector<at::Tensor>& raws, const std::vector<int64_t>& types, int64_t k) {
+    TORCH_CHECK(!raws.empty() && raws.size() == types.size(),
+                "gguf_linear needs one type per raw tensor (got ", raws.size(), " tensors, ",
+                types.size(), " types)");
+    first_row.push_back(0);
+    for (size_t i = 0; i < raws.size(); ++i) {
+      const at::Tensor& r = raws[i];
+      const BlockFormat f = block_format(types[i]);
+      TORCH_CHECK(r.scalar_type() == at::kByte && r.device().is_cpu() && r.dim() == 2 &&
+                      r.stride(1) == 1,
+                  "raw GGUF weights must be uint8 [rows, row_bytes] on CPU with contiguous rows");
+      TORCH_CHECK(k % f.weights == 0 && (!f.quantized || k % 32 == 0),
+                  "GGML type id ", types[i], " needs rows of whole blocks of ", f.weights,
+                  " weights (and of 32 for the activation blocks); K = ", k);
+      TORCH_CHECK(r.size(1) == k / f.weights * f.bytes, "raw GGUF shard ", i, " has ",
+                  r.size(1), " bytes per row; type id ", types[i], " at K = ", k, " needs ",
+                  k / f.weights * f.bytes);
+      data.push_back(r.data_ptr<uint8_t>());
+      row_stride.push_back(r.stride(0));
+      type.push_back(types[i]);
+      format.push_back(f);
+      first_row.push_back(first_row.back() + r.size(0));
+      any_quantized = any_quantized || f.quantized;
+    }
+  }
+  int64_t rows() const { return first_row.back(); }
+  size_t shard_of(int64_t n) const {
+    size_t s = 0;
+    while (first_row[s + 1] <= n) ++s;
+    return s;
+  }
+  const uint8_t* row(size_t s, int64_t n) const {
+    return data[s] + (n - first_row[s]) * row_stride[s];
+  }
+};
+
+// rows above which a projection dequantizes weight tiles for ATen's GEMM instead of running
+// integer dot products: each weight row is unpacked once either way, so the dot products cost
+// ~M times a dequantized row's GEMM share; past ~16 rows the GEMM is the faster
+constexpr int64_t kGgufDotRowsMax = 16;
+
+void few_rows(const float* x, int64_t xs, int64_t rows, int64_t k, const Shards& shards,
+              float* y) {
+  QuantizedRows xq;
+  if (shards.any_quantized) quantize_activations(x, xs, rows, k, xq);
+  const int64_t n_total = shards.rows(), blocks = k / 32;
+  at::parallel_for(0, n_total, 4, [&](int64_t n0, int64_t n1) {
+    RowScratch s(k);
+    for (int64_t n = n0; n < n1; ++n) {
+      const size_t shard = shards.shard_of(n);
+      const uint8_t* row = shards.row(shard, n);
+      const int64_t type = shards.type[shard];
+      if (shards.format[shard].quantized) {
+        unpack_row(type, row, k, s.q.data(), s.sc.data(), s.off.data());
+        for (int64_t m = 0; m < rows; ++m)
+          y[m * n_total + n] = dot_codes(s.q.data(), s.sc.data(), s.off.data(),
+                                         xq.q.data() + m * k, xq.d.data() + m * blocks,
+                                         xq.s.data() + m * blocks, k);
+      } else {
+        float_row(type, row, k, s.values.data());
+        for (int64_t m = 0; m < rows; ++m) y[m * n_total + n] = dot(x + m * xs, s.values.data(), k);
+      }
+    }
+  });
+}
+
+void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
+  const int64_t k = x.size(1);
+  // tiles of ~4 MB of fp32: big enough for the GEMM to run at speed, small enough for L2/L3
+  const int64_t tile = std::clamp<int64_t>((int64_t{1} << 20) / k, 16, 1024);
+  for (size_t s = 0; s < shards.data.size(); ++s) {
+    const int64_t first = shards.first_row[s], end = shards.first_row[s + 1];
+    for (int64_t t0 = first; t0 < end; t0 += tile) {
+      const int64_t t1 = std::min(end, t0 + tile);
+      at::Tensor w = at::empty({t1 - t0, k}, x.options());
+      float* wp = w.data_ptr<float>();
+      at::parallel_for(t0, t1, 8, [&](int64_t n0, int64_t n1) {
+        RowScratch scratch(k);
+        for (int64_t n = n0; n < n1; ++n)
+          dequantize_row(shards.type[s], shards.format[s], shards.row(s, n), k, scratch,
+                         wp + (n - t0) * k);
+      });
+      y.narrow(1, t0, t1 - t0).copy_(at::mm(x, w.t()));
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
+                       c10::optional<at::Tensor> bias) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1,
+              "gguf_linear: x must be [M >= 1, K] with contiguous rows");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const Shards shards(raws, types, k);
+  at::Tensor y = at::empty({rows, shards.rows()}, x.options());
+  if (rows <= kGgufDotRowsMax)
+    few_rows(x.data_ptr<float>(), x.stride(0), rows, k, shards, y.data_ptr<float>());
+  else
+    many_rows(x, shards, y);
+  if (bias.has_value() && bias->defined()) {
+    check_fp32_cpu(*bias, "bias");
+    TORCH_CHECK(bias->numel() == shards.rows(), "bias has ", bias->numel(), " entries for ",
+                shards.rows(), " outputs");
+    y.add_(*bias);
+  }
+  return y;
+}
+
+at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
+                           c10::optional<at::Tensor> ids) {
+  const Shards shards({raw}, {type}, k);
+  at::Tensor picked;
+  if (ids.has_value() && ids->defined()) {
+    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong,
+                "gguf_dequantize: ids must be a 1-D int64 tensor");
+    picked = ids->contiguous();
+  }
+  const int64_t n = picked.defined() ? picked.size(0) : raw.size(0);
+  const int64_t* id = picked.defined() ? picked.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; id != nullptr && i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < raw.size(0), "row id ", id[i], " out of range for ",
+                raw.size(0), " rows");
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const BlockFormat f = shards.format[0];
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    RowScratch scratch(k);
+    for (int64_t r = r0; r < r1; ++r)
+      dequantize_row(type, f, shards.row(0, id ? id[r] : r), k, scratch, o + r * k);
+  });
+  return out;
+}
+
+}  // namespace kvforge
