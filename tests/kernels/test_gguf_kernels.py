@@ -37,10 +37,10 @@ def reference_weight(raw: np.ndarray, qtype) -> np.ndarray:
 
 
 def activation_error_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
-    """|x . w - x_q8 . w| <= sum_i |w_i| * d_b / 2 where d_b = max|x in 32-block b| / 127: the
+    """|x . w - x_q8 . w| <= sum_i |w_i| * d_b / 2 where d_b = max|x in 16-block b| / 127: the
     kernel rounds each activation to the nearest multiple of its block's step."""
-    step = x.double().abs().view(x.shape[0], -1, 32).amax(-1) / 127          # [M, K/32]
-    half_step = (step / 2).repeat_interleave(32, dim=1)                       # [M, K]
+    step = x.double().abs().view(x.shape[0], -1, 16).amax(-1) / 127          # [M, K/16]
+    half_step = (step / 2).repeat_interleave(16, dim=1)                       # [M, K]
     wa = torch.from_numpy(np.abs(w))
     # + float rounding of the sums (fp32 accumulators)
     return half_step @ wa.T + 1e-5 * (x.double().abs() @ wa.T) + 1e-6

@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -21,20 +21,22 @@ namespace kvforge {
 //   w[i] = sc[i / 16] * q[i] + off[i / 32]
 //
 // A weight row is unpacked into codes once (a few KB: stays in L1) and then dotted with every
-// activation row. Activation rows are quantized once per call to 32-wide int8 blocks:
+// activation row. Activation rows are quantized once per call to int8 with a step per 16:
 //
 //   xq  int8  [K]        round(x / xd), |xq| <= 127
-//   xd  float [K / 32]   max |x| / 127 of each 32
-//   xs  float [K / 32]   xd * sum(xq) of each 32   (what an `off` multiplies)
+//   xd  float [K / 16]   max |x| / 127 of each 16
+//   xs  float [K / 32]   sum of xd * sum(xq) over each 32   (what an `off` multiplies)
 //
-//   dot(w, x) ~ sum_b xd[b] * (sc[2b] * sum_{16} q.xq + sc[2b+1] * sum_{16} q.xq) + off[b] * xs[b]
+//   dot(w, x) ~ sum_b sc[2b] xd[2b] * (q.xq over 16) + sc[2b+1] xd[2b+1] * (q.xq over 16)
+//               + off[b] * xs[b]
 //
 // so the inner loop is an 8-bit integer dot product (AVX2: maddubs + madd, 32 weights per step)
-// and the float work is one FMA per 32 weights. Per-16 scales cover Q6_K's 16-weight
-// sub-blocks: maddubs + madd leaves the sums of bytes 0..15 in int32 lanes 0..3 and of bytes
-// 16..31 in lanes 4..7, so the two scales are one [s0 x4 | s1 x4] vector. 32-wide activation
-// blocks (llama.cpp uses 256-wide Q8_K for K-quants) keep one code path for every format and
-// round activations more finely.
+// and the float work is one FMA per 32 weights: maddubs + madd leaves the sums of bytes 0..15
+// in int32 lanes 0..3 and of bytes 16..31 in lanes 4..7, so the two halves' scales (Q6_K's
+// 16-weight sub-blocks, the activations' 16-wide steps) are one [s0 x4 | s1 x4] vector.
+// llama.cpp rounds activations per 32 (Q8_0/Q8_1) or 256 (Q8_K, for K-quants); per 16 costs
+// nothing extra here, keeps one code path for every format and confines an outlier channel's
+// coarse step to 16 values (SmolLM2's activations have channels ~20x their rms).
 //
 // Many rows (prefill): rows of W are dequantized to fp32 tiles and multiplied by ATen's GEMM.
 namespace {
@@ -70,10 +72,16 @@ BlockFormat block_format(int64_t type) {
   return {};
 }
 
+// one fp16 scale: F16C's conversion instruction where the build has it (x86-64-v3 and up);
+// the portable bit manipulation costs ~15 ops, as much as the dot product of a 32-block
 inline float fp16_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // ---- one block -> codes -------------------------------------------------------------------
@@ -261,32 +269,36 @@ void dequantize_row(int64_t type, const BlockFormat& f, const uint8_t* row, int6
 }
 
 // ---- activations -> 8-bit blocks --------------------------------------------------------
+// A step per 16 activations (the dot's two int32 halves take a scale each anyway, so this is
+// free in the inner loop and halves the reach of an outlier channel's coarse step).
 struct QuantizedRows {
   std::vector<int8_t> q;        // [rows, K]
-  std::vector<float> d, s;      // [rows, K / 32]
+  std::vector<float> d;         // [rows, K / 16]
+  std::vector<float> s;         // [rows, K / 32]
 };
 
 void quantize_activations(const float* x, int64_t xs, int64_t rows, int64_t k,
                           QuantizedRows& out) {
-  const int64_t blocks = k / 32;
+  const int64_t halves = k / 16;
   out.q.resize(rows * k);
-  out.d.resize(rows * blocks);
-  out.s.resize(rows * blocks);
+  out.d.resize(rows * halves);
+  out.s.resize(rows * (k / 32));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = x + r * xs + 32 * b;
-      int8_t* q = out.q.data() + r * k + 32 * b;
+    for (int64_t h = 0; h < halves; ++h) {
+      const float* v = x + r * xs + 16 * h;
+      int8_t* q = out.q.data() + r * k + 16 * h;
       float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      for (int j = 0; j < 16; ++j) amax = std::max(amax, std::fabs(v[j]));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int sum = 0;
-      for (int j = 0; j < 32; ++j) {
+      for (int j = 0; j < 16; ++j) {
         const int c = static_cast<int>(std::nearbyint(v[j] * inv));
         q[j] = static_cast<int8_t>(c);
         sum += c;
       }
-      out.d[r * blocks + b] = d;
-      out.s[r * blocks + b] = d * static_cast<float>(sum);
+      out.d[r * halves + h] = d;
+      float& s = out.s[r * (k / 32) + h / 2];
+      s = (h % 2 ? s : 0.f) + d * static_cast<float>(sum);
     }
 }
 
@@ -301,9 +313,9 @@ inline __m256 block_dot(const int8_t* q, const int8_t* x) {
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-inline __m256 block_scale(const float* sc, float xd) {
-  return _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0])),
-                       _mm256_set1_ps(xd));
+// [sc0 * xd0 x4 | sc1 * xd1 x4]: the scales of the block's two 16-halves
+inline __m256 block_scale(const float* sc, const float* xd) {
+  return _mm256_set_m128(_mm_set1_ps(sc[1] * xd[1]), _mm_set1_ps(sc[0] * xd[0]));
 }
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -321,21 +333,22 @@ float dot_codes(const int8_t* q, const float* sc, const float* off, const int8_t
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {   // two chains: the FMA latency overlaps
-    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b), block_scale(sc + 2 * b, xd[b]),
-                           acc0);
+    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b),
+                           block_scale(sc + 2 * b, xd + 2 * b), acc0);
     acc1 = _mm256_fmadd_ps(block_dot(q + 32 * b + 32, xq + 32 * b + 32),
-                           block_scale(sc + 2 * b + 2, xd[b + 1]), acc1);
+                           block_scale(sc + 2 * b + 2, xd + 2 * b + 2), acc1);
   }
   if (b < blocks)
-    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b), block_scale(sc + 2 * b, xd[b]),
-                           acc0);
+    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b),
+                           block_scale(sc + 2 * b, xd + 2 * b), acc0);
   total = hsum256(_mm256_add_ps(acc0, acc1));
 #else
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t lo = 0, hi = 0;
     for (int j = 0; j < 16; ++j) lo += q[32 * b + j] * xq[32 * b + j];
     for (int j = 16; j < 32; ++j) hi += q[32 * b + j] * xq[32 * b + j];
-    total += xd[b] * (sc[2 * b] * static_cast<float>(lo) + sc[2 * b + 1] * static_cast<float>(hi));
+    total += sc[2 * b] * xd[2 * b] * static_cast<float>(lo) +
+             sc[2 * b + 1] * xd[2 * b + 1] * static_cast<float>(hi);
   }
 #endif
   float offsets = 0.f;
@@ -391,28 +404,37 @@ struct Shards {
 // ~M times a dequantized row's GEMM share; past ~16 rows the GEMM is the faster
 constexpr int64_t kGgufDotRowsMax = 16;
 
+// Threads split the output rows as a team (team.h): each takes its own share from the front
+// and then the tail of the others', so a thread the OS has descheduled (more runnable threads
+// than cores) delays the call by one chunk instead of a whole static share. With
+// at::parallel_for's static split, SmolLM2's ~120 projections a step each waited for the
+// slower thread: ~5x slower decode steps on a loaded 2-core box.
 void few_rows(const float* x, int64_t xs, int64_t rows, int64_t k, const Shards& shards,
               float* y) {
   QuantizedRows xq;
   if (shards.any_quantized) quantize_activations(x, xs, rows, k, xq);
-  const int64_t n_total = shards.rows(), blocks = k / 32;
-  at::parallel_for(0, n_total, 4, [&](int64_t n0, int64_t n1) {
+  const int64_t n_total = shards.rows(), halves = k / 16, blocks = k / 32;
+  std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
+  run_team([&](const Team& team) {
     RowScratch s(k);
-    for (int64_t n = n0; n < n1; ++n) {
-      const size_t shard = shards.shard_of(n);
-      const uint8_t* row = shards.row(shard, n);
-      const int64_t type = shards.type[shard];
-      if (shards.format[shard].quantized) {
-        unpack_row(type, row, k, s.q.data(), s.sc.data(), s.off.data());
-        for (int64_t m = 0; m < rows; ++m)
-          y[m * n_total + n] = dot_codes(s.q.data(), s.sc.data(), s.off.data(),
-                                         xq.q.data() + m * k, xq.d.data() + m * blocks,
-                                         xq.s.data() + m * blocks, k);
-      } else {
-        float_row(type, row, k, s.values.data());
-        for (int64_t m = 0; m < rows; ++m) y[m * n_total + n] = dot(x + m * xs, s.values.data(), k);
+    team.for_shares(n_total, 64, claims.data(), [&](int64_t n0, int64_t n1, int64_t) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const size_t shard = shards.shard_of(n);
+        const uint8_t* row = shards.row(shard, n);
+        const int64_t type = shards.type[shard];
+        if (shards.format[shard].quantized) {
+          unpack_row(type, row, k, s.q.data(), s.sc.data(), s.off.data());
+          for (int64_t m = 0; m < rows; ++m)
+            y[m * n_total + n] = dot_codes(s.q.data(), s.sc.data(), s.off.data(),
+                                           xq.q.data() + m * k, xq.d.data() + m * halves,
+                                           xq.s.data() + m * blocks, k);
+        } else {
+          float_row(type, row, k, s.values.data());
+          for (int64_t m = 0; m < rows; ++m)
+            y[m * n_total + n] = dot(x + m * xs, s.values.data(), k);
+        }
       }
-    }
+    });
   });
 }
 
