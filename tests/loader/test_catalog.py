@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import types
 
 import pytest
 
@@ -171,6 +172,19 @@ def test_wrong_layout_lists_what_the_package_holds(monkeypatch, cache, tmp_path)
     with pytest.raises(PullError, match=r"has no file kvforge_fake_layout/data/x.bin; it holds "
                                         r".*'kvforge_fake_layout/x.bin'"):
         pull(entry, index=PackageIndex(find_links=str(folder)), progress=False)
+
+
+def test_too_little_disk_space_is_reported_before_downloading(listed, cache, monkeypatch):
+    from kvforge.loader import catalog_pull
+    free = {"bytes": 2 * listed.size - 1}
+    monkeypatch.setattr(catalog_pull.shutil, "disk_usage",
+                        lambda path: types.SimpleNamespace(free=free["bytes"]))
+    # the slices and the joined file coexist: twice the model's size is needed
+    with pytest.raises(PullError, match="needs .* GB free in .*KVFORGE_MODELS_DIR"):
+        pull(listed, progress=False)
+    assert not os.path.exists(os.path.join(_model_dir(cache), ".parts"))
+    free["bytes"] += 1
+    assert pull(listed, progress=False) == catalog.cached_path(listed)
 
 
 def test_unknown_name_lists_the_catalogue(capsys, cache):
