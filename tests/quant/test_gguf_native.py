@@ -118,7 +118,7 @@ def test_qwen2_biases_and_llama_permuted_rows(tmp_path):
 def test_weights_stay_in_the_file_mapping(tmp_path):
     source = _gguf_model(tmp_path, QT.Q4_0)
     native = load_model(source, quantization="gguf")
-    mapping = source._reader.data
+    mapping = np.frombuffer(source._reader._map, dtype=np.uint8)      # the whole file's map
     lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.nbytes
     v_rows = native.model.layers[0].self_attn.qkv_proj.gguf_blocks[2].raw   # not permuted
     table = native.model.embed_tokens.gguf_blocks[0].raw
