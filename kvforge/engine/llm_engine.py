@@ -120,8 +120,8 @@ class LLMEngine:
                     self.runner.num_blocks, self.runner.num_blocks * config.block_size,
                     self.runner.kv_bytes_per_token)
         # the long-lived objects made so far (tokenizer vocabularies, modules, the radix tree's
-        # root) leave the collector's generations: a full collection walked them all, ~4% of
-        # a prefill-heavy run's time in perf (vLLM freezes after start-up for the same reason)
+        # root) leave the collector's generations: a full collection walked them all, a visible
+        # share of a prefill-heavy run's time in perf (vLLM freezes after start-up for the same reason)
         gc.collect()
         gc.freeze()
 
