@@ -123,12 +123,14 @@ def _rope_theta(config, layer_type: str = "full_attention") -> float:
 
 
 def write_hf_model_gguf(path: str, hf_model, arch: str,
-                        tokenizer: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+                        tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
+                        extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """Write a transformers model as llama.cpp's ``convert_hf_to_gguf`` would, in F32 (norms in
     F32 as it keeps them): ``llama`` permutes q/k rows for its rotary layout, ``qwen2`` keeps
     them (NEOX rope), ``gemma3`` stores every ``*norm.weight`` as ``1 + w`` and writes
     key/value lengths and the sliding window but not the local RoPE base. An untied head is
-    ``output.weight``; a tied one is left out. ``tokenizer(writer)`` adds the vocabulary."""
+    ``output.weight``; a tied one is left out. ``tokenizer(writer)`` adds the vocabulary,
+    ``extra(writer)`` any further metadata."""
     c = hf_model.config
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
@@ -147,6 +149,8 @@ def write_hf_model_gguf(path: str, hf_model, arch: str,
         tokenizer(w)
     else:
         w.add_vocab_size(c.vocab_size)
+    if extra is not None:
+        extra(w)
     tied = getattr(c, "tie_word_embeddings", False)
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and tied:
