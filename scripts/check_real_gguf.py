@@ -65,7 +65,8 @@ def kvforge_logits(model, tokens: list[int]) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
-    parser.add_argument("--tokens", type=int, default=256)
+    # past 512 tokens so that Gemma 3's sliding windows (512) matter
+    parser.add_argument("--tokens", type=int, default=640)
     parser.add_argument("--greedy", type=int, default=32)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -78,7 +79,7 @@ def main() -> None:
     t0 = time.time()
     source = load_model_source(args.path)
     tokenizer = source.load_tokenizer()
-    tokens = tokenizer.encode(TEXT)[: args.tokens]
+    tokens = tokenizer.encode(TEXT * 4)[: args.tokens]
     model = load_model(source)
     ours = kvforge_logits(model, tokens)
     del model
@@ -95,8 +96,10 @@ def main() -> None:
     print(f"teacher-forced top-1 agreement: {agree:.4f} over {len(tokens)} positions; "
           f"max |logit diff| {diff:.2e} (logit scale {ref.abs().max().item():.1f})")
 
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a Python function that reverses a string."}])
+    request = "Write a Python function that reverses a string."
+    # a base model's file may have no chat template: then the plain text
+    chat = (tokenizer.apply_chat_template([{"role": "user", "content": request}])
+            if tokenizer.chat_template else tokenizer.encode(request + "\n"))
     llm = LLM(args.path, max_model_len=1024, kv_cache_memory="256MiB")
     params = SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True, logprobs=5)
     out = llm.generate([chat], params, use_tqdm=False)[0].outputs[0]

@@ -180,7 +180,9 @@ def _gemma3_config(key, config: dict[str, Any]) -> dict[str, Any]:
                                   else config["head_dim"]),
     }
     pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, list):           # per layer, True = sliding window
+    if not config.get("sliding_window"):    # llama.cpp: no window, every layer global
+        extras["layer_types"] = ["full_attention"] * n_layers
+    elif isinstance(pattern, list):           # per layer, True = sliding window
         extras["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     elif pattern is not None:               # a period: the last layer of each is global
         extras["sliding_window_pattern"] = int(pattern)

@@ -144,7 +144,8 @@ def write_hf_model_gguf(path: str, hf_model, arch: str,
     if arch == "gemma3":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-        w.add_sliding_window(c.sliding_window)
+        if c.sliding_window is not None:
+            w.add_sliding_window(c.sliding_window)
     if tokenizer is not None:
         tokenizer(w)
     else:

@@ -247,3 +247,14 @@ def test_gemma3_sliding_window_pattern_key(tmp_path):
         [True, False, True]))
     opts = Gemma3Options.from_config(load_model_source(path).config)
     assert opts.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+
+
+def test_gemma3_without_window_key_is_all_global(tmp_path):
+    from kvforge.models.gemma3 import Gemma3Options
+    from tests.loader.gguf_factory import write_hf_model_gguf
+    from tests.models.test_gemma3 import gguf_shaped_hf
+    path = str(tmp_path / "global.gguf")
+    # as llama.cpp reads a gemma3 file without attention.sliding_window
+    write_hf_model_gguf(path, gguf_shaped_hf(num_hidden_layers=2, sliding_window=None), "gemma3")
+    opts = Gemma3Options.from_config(load_model_source(path).config)
+    assert opts.layer_types == ("full_attention",) * 2
