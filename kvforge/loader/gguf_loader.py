@@ -126,7 +126,7 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError("GGUF has neither a vocab_size key nor a token list")
-        vocab = len(tokens.data)
+        vocab = len(tokens)          # the array length, not decoded
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_heads
 
     config: dict[str, Any] = {
