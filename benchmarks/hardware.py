@@ -34,10 +34,42 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
+def cache_sizes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> str:
+    """'L1d 32K L2 512K L3 16384K' from sysfs ('' where the kernel does not say)."""
+    parts = []
+    try:
+        for index in sorted(os.listdir(cpu_dir)):
+            if not index.startswith("index"):
+                continue
+            def read(name: str) -> str:
+                with open(os.path.join(cpu_dir, index, name), encoding="utf-8") as f:
+                    return f.read().strip()
+            kind = read("type")
+            if kind == "Instruction":
+                continue
+            parts.append(f"L{read('level')}{'d' if kind == 'Data' else ''} {read('size')}")
+    except OSError:
+        pass
+    return " ".join(parts)
+
+
+def kernels_line() -> str:
+    """Which compiled-kernel build runs (KVFORGE_ISA) and what the CPU could run."""
+    from kvforge.kernels import kernels_enabled
+    from kvforge.kernels.isa import selected_isa, supported_isas
+    if not kernels_enabled():
+        return "kernels off (KVFORGE_KERNELS=0)"
+    asked = os.environ.get("KVFORGE_ISA", "auto")
+    return (f"kernels {selected_isa()} (KVFORGE_ISA={asked}; CPU runs "
+            f"{', '.join(supported_isas())})")
+
+
 def hardware_line() -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    caches = cache_sizes()
     return (f"hardware: {cpu_model_name()} | {physical_cores()} physical cores, "
-            f"{os.cpu_count()} logical | torch {torch.__version__}, "
+            f"{os.cpu_count()} logical{' | ' + caches if caches else ''} | "
+            f"{kernels_line()} | torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads | load avg {load}")
 
 

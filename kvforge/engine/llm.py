@@ -10,7 +10,9 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# a string, token ids, or vLLM's prompt dicts: {"prompt": str} / {"prompt_token_ids": [...]}
+Prompt = str | list[int] | dict[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -89,13 +91,37 @@ class LLM:
         return [results[rid] for rid in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]          # one prompt given as token ids
-    for p in prompts:
-        if not isinstance(p, (str, list)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
-    return prompts
+    return [_plain_prompt(p, i) for i, p in enumerate(prompts)]
+
+
+def _plain_prompt(p: Any, index: int) -> str | list[int]:
+    """A string or token-id list; vLLM's ``TextPrompt`` / ``TokensPrompt`` dicts unwrapped."""
+    if isinstance(p, (str, list)):
+        return p
+    if not isinstance(p, dict):
+        raise ValueError(f"prompt {index}: a prompt must be a string, a list of token ids or a "
+                         f"dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
+    if "multi_modal_data" in p:
+        raise ValueError(f"prompt {index}: multi_modal_data is not supported: kvforge serves "
+                         f"text-only models")
+    unknown = sorted(set(p) - set(_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt {index}: unknown prompt keys {unknown}; expected 'prompt' "
+                         f"or 'prompt_token_ids'")
+    given = [k for k in _PROMPT_KEYS if k in p]
+    if len(given) != 1:
+        raise ValueError(f"prompt {index}: give exactly one of 'prompt' and 'prompt_token_ids', "
+                         f"got {given or 'neither'}")
+    value = p[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(value).__name__}")
+    if given[0] == "prompt_token_ids" and not (
+            isinstance(value, (list, tuple)) and all(isinstance(t, int) for t in value)):
+        raise ValueError(f"prompt {index}: 'prompt_token_ids' must be a list of ints")
+    return value if isinstance(value, str) else list(value)

@@ -2,68 +2,86 @@
 a register-tiled linear kernel, paged decode attention, QUEST sparse decode, and ``DecodeStack``
 (a whole Llama decode step).
 
-``cpu_kernels()`` builds the extension on first use with ``torch.utils.cpp_extension`` (g++ and
-ninja; ~1 minute once, then cached under ``~/.cache/kvforge/kernels``) and returns the module,
-or None when kernels are disabled (``KVFORGE_KERNELS=0``) or cannot be built here — callers then
-use plain PyTorch ops, so the engine runs (slower) without a compiler. The wrappers that pick
-kernel vs fallback are in ``ops.py``.
+``cpu_kernels()`` builds the extension for the ISA ``KVFORGE_ISA`` selects (``isa.py``: AVX2 or
+AVX-512, the widest this CPU runs by default) on first use with ``torch.utils.cpp_extension``
+(g++ and ninja; ~1 minute once per ISA, then cached under ``~/.cache/kvforge/kernels``) and
+returns the module, or None when kernels are disabled (``KVFORGE_KERNELS=0``) or cannot be built
+here — callers then use plain PyTorch ops, so the engine runs (slower) without a compiler. The
+wrappers that pick kernel vs fallback are in ``ops.py``. Each ISA's build is a module of its own
+(``kvforge_cpu_kernels_avx2``, ...), so one process can load both (the tests compare them).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
+
+from kvforge.kernels.isa import compile_flags, selected_isa
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "bindings.cpp"]     # unity build: it includes the other .cpp files
 _UNSET = object()
-_module = _UNSET
+_module = _UNSET                        # the module KVFORGE_ISA / KVFORGE_KERNELS select
+_builds: dict[str, object] = {}         # ISA -> module, or None where its build failed
 
 
 def kernels_enabled() -> bool:
     return os.environ.get("KVFORGE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
-def _build_dir() -> Path:
-    # -march=native code is only valid on this kind of CPU: key the cache by CPU flags + torch.
-    # The sources' directory is in the key too: torch's build.ninja names absolute source paths,
-    # so two checkouts sharing one directory would rewrite it and rebuild (~1 minute) in turn.
-    try:
-        cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        cpu = platform.processor()
-    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{_CSRC.resolve()}".encode())
+def _build_dir(isa: str) -> Path:
+    # Keyed by ISA, compiler flags and torch (not by this CPU: an AVX2 build runs on any AVX2
+    # CPU). The sources' directory is in the key too: torch's build.ninja names absolute source
+    # paths, so two checkouts sharing one directory would rewrite it and rebuild in turn.
+    digest = hashlib.sha256(
+        f"{isa}|{compile_flags(isa)}|{torch.__version__}|{_CSRC.resolve()}".encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.read_bytes())
     key = digest.hexdigest()
     root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
-    return root / "kernels" / key[:16]
+    return root / "kernels" / f"{isa}-{key[:16]}"
 
 
-def cpu_kernels():
-    """The compiled kernel module, or None (disabled, or the build failed: logged once)."""
+def build_kernels(isa: str):
+    """Build (or load the cached build of) the kernels for ``isa``; raises if the build fails.
+    Loading a module does not run its code: building another ISA's kernels is safe anywhere."""
+    from torch.utils.cpp_extension import load
+    build_dir = _build_dir(isa)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("loading kvforge CPU kernels for %s (built once per machine, about a minute)",
+                isa)
+    return load(name=f"kvforge_cpu_kernels_{isa}", sources=[str(p) for p in _SOURCES],
+                build_directory=str(build_dir), verbose=False,
+                extra_cflags=["-O3", *compile_flags(isa), "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
+
+
+def cpu_kernels(isa: str | None = None):
+    """The compiled kernel module for ``isa``, or None (disabled, or the build failed: logged
+    once per ISA). Without ``isa``: the module the environment selects (``KVFORGE_KERNELS``,
+    ``KVFORGE_ISA``), decided at the first call and kept (callers run this per layer)."""
     global _module
-    if _module is not _UNSET:
+    if isa is None:
+        if _module is _UNSET:
+            _module = cpu_kernels(selected_isa()) if kernels_enabled() else None
         return _module
-    _module = None
-    if not kernels_enabled():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("loading kvforge CPU kernels (built once per machine, about a minute)")
-        _module = load(name="kvforge_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                       build_directory=str(build_dir), verbose=False,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"])
-    except Exception as exc:   # no compiler / ninja / headers: run on PyTorch ops instead
-        logger.warning("kvforge CPU kernels unavailable (%s: %s); using PyTorch ops",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    return _module
+    if isa not in _builds:
+        module = None
+        try:
+            module = build_kernels(isa)
+        except Exception as exc:   # no compiler / ninja / headers: run on PyTorch ops instead
+            logger.warning("kvforge CPU kernels (%s) unavailable (%s: %s); using PyTorch ops",
+                           isa, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        _builds[isa] = module
+    return _builds[isa]
+
+
+def reselect_kernels() -> None:
+    """Forget the environment's choice: the next ``cpu_kernels()`` reads it again."""
+    global _module
+    _module = _UNSET

@@ -5,6 +5,8 @@ strides) takes the PyTorch path, which is also the reference the kernel tests co
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -128,11 +130,25 @@ def packed_layout() -> tuple[int, int] | None:
     return None if ops is None else (int(ops.linear_pack_rows), int(ops.linear_lanes))
 
 
+PACKED_WEIGHTS_ENV = "KVFORGE_PACKED_WEIGHTS"
+
+
 def packing_pays() -> bool:
-    """Whether this build's packed tiles beat its row-major ones at decode's 1-4 rows: yes with
-    AVX-512, no with AVX2 (its 16 registers spill the packed tile; csrc/linear.cpp)."""
+    """Whether layers should be packed: by default where this build's packed tiles beat its
+    row-major ones at decode's 1-4 rows (AVX-512 yes, AVX2 no: its 16 registers spill the packed
+    tile; csrc/linear.cpp). ``KVFORGE_PACKED_WEIGHTS=1`` / ``0`` forces it either way (the packed
+    kernel runs on every ISA, so the tests can run the packed path on any CPU)."""
     ops = cpu_kernels()
-    return ops is not None and bool(ops.linear_packing_pays)
+    if ops is None:
+        return False
+    forced = os.environ.get(PACKED_WEIGHTS_ENV, "auto").strip().lower()
+    if forced in ("1", "on", "true", "yes"):
+        return True
+    if forced in ("0", "off", "false", "no"):
+        return False
+    if forced not in ("", "auto"):
+        raise ValueError(f"{PACKED_WEIGHTS_ENV}={forced!r}: use auto, 1 or 0")
+    return bool(ops.linear_packing_pays)
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int] | None:

@@ -6,7 +6,8 @@ Three translations happen here, so that the rest of kvforge only ever sees HF vo
   3. tensor layout  ggml shape [ne0, ne1] is torch shape [ne1, ne0], and llama.cpp's convert
      script permuted the rows of q_proj / k_proj for its rotary layout; we permute them back.
 
-The file is memory-mapped by ``gguf.GGUFReader``; tensors are dequantized one at a time.
+The file is memory-mapped by ``gguf_file.GGUFFile`` (metadata decoded lazily); tensors are
+dequantized one at a time.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import numpy as np
 import torch
 
 import gguf
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from kvforge.loader.gguf_file import GGUFFile
 
 # GGUF architecture name -> (HF architecture class, HF model_type)
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -55,12 +58,12 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 TESTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"})
 
 
-def open_gguf(path: str) -> GGUFReader:
+def open_gguf(path: str) -> GGUFFile:
     """Open (memory-map) a GGUF file; anything malformed becomes a ValueError naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path!r}")
     try:
-        reader = GGUFReader(path, "r")
+        reader = GGUFFile(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors, ...
         raise ValueError(f"{path!r} is not a valid GGUF file: {type(e).__name__}: {e}") from e
     # A file truncated after its header parses fine: numpy's memmap slicing silently returns
@@ -74,12 +77,12 @@ def open_gguf(path: str) -> GGUFReader:
     return reader
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -87,7 +90,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def gguf_to_hf_config(reader: GGUFReader) -> dict[str, Any]:
+def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
     """Translate GGUF metadata into the dict a HF config.json would hold."""
     arch = gguf_architecture(reader)
     hf_arch, model_type = _ARCHITECTURES[arch]
@@ -207,7 +210,7 @@ def tensor_to_torch(t: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def iter_gguf_weights(reader: GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) one at a time, q/k rows back in HF order."""
     arch = gguf_architecture(reader)
     config = gguf_to_hf_config(reader)
@@ -227,14 +230,14 @@ def iter_gguf_weights(reader: GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
 RawTensor = tuple[str, str, tuple[int, ...], np.ndarray]   # HF name, ggml type, shape, bytes
 
 
-def iter_raw_tensors(path: str | GGUFReader) -> Iterator[RawTensor]:
+def iter_raw_tensors(path: str | GGUFFile) -> Iterator[RawTensor]:
     """Yield (HF name, ggml type name, logical torch shape, raw bytes as uint8) per tensor.
 
     For quantization work that wants the file's blocks as they are. Note q_proj/k_proj rows are
     still in llama.cpp's permuted order here (permuting quantized rows is a row gather, so a
     consumer can apply ``unpermute_qk_rows`` to the (rows, bytes_per_row) array).
     """
-    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -243,7 +246,7 @@ def iter_raw_tensors(path: str | GGUFReader) -> Iterator[RawTensor]:
         yield name, t.tensor_type.name, _torch_shape(t), raw
 
 
-def gguf_chat_template(reader: GGUFReader) -> str | None:
+def gguf_chat_template(reader: GGUFFile) -> str | None:
     return _field(reader, "tokenizer.chat_template")
 
 

@@ -268,15 +268,31 @@ def test_parse_engine_args():
 
 
 # --- the scripts end to end, with fake systems (checks the report, not any speed) ---------------
-class SleepySystem:
-    """Produces every target token; sleeps a little per token so timings are positive."""
+class FakeClock:
+    """A perf_counter that only the fake systems advance: timings exact on a loaded machine."""
 
-    def __init__(self, name, seconds_per_token):
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class SleepySystem:
+    """Produces every target token; takes a fixed time per token (on ``clock`` when given, else
+    a real sleep) so timings are positive."""
+
+    def __init__(self, name, seconds_per_token, clock=None):
         self.name, self.seconds_per_token, self.batch_size = name, seconds_per_token, 1
+        self.clock = clock
 
     def generate(self, requests):
         import time
-        time.sleep(self.seconds_per_token * sum(r.output_len for r in requests))
+        seconds = self.seconds_per_token * sum(r.output_len for r in requests)
+        if self.clock is not None:
+            self.clock.now += seconds
+        else:
+            time.sleep(seconds)
         return [r.output_len for r in requests]
 
 
@@ -306,7 +322,9 @@ class FakeSampler:
 def fake_systems(monkeypatch):
     import benchmarks.latency as latency
     import benchmarks.throughput as throughput
-    kv, hf = SleepySystem("kvforge", 1e-4), SleepySystem("HF transformers", 4e-4)
+    clock = FakeClock()       # latency.py subtracts two timings: real sleeps jitter under load
+    kv, hf = SleepySystem("kvforge", 1e-4, clock), SleepySystem("HF transformers", 4e-4, clock)
+    monkeypatch.setattr(latency, "time", clock)
     for mod in (throughput, latency):
         monkeypatch.setattr(mod, "build_systems", lambda args, hf_batch_size=16: (kv, hf, word_ids))
         monkeypatch.setattr(mod, "model_config_of", lambda kv, hf: fake_config())
@@ -345,3 +363,21 @@ def test_latency_script_reports_bound(fake_systems, capsys):
             assert run["fraction_of_bound"] == pytest.approx(bound_ms / run["decode_ms_per_token"])
         assert row["fraction_of_bound_min"] <= row["fraction_of_bound"] <= row["fraction_of_bound_max"]
     assert [r["system"] for r in payload["results"]] == ["kvforge", "HF transformers"]
+
+
+def test_hardware_line_names_caches_and_kernel_isa(tmp_path, monkeypatch):
+    from benchmarks import hardware
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
+                                             (2, "Unified", "1024K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert hardware.cache_sizes(str(tmp_path)) == "L1d 48K L2 1024K"
+    assert hardware.cache_sizes(str(tmp_path / "missing")) == ""
+    monkeypatch.setenv("KVFORGE_KERNELS", "0")
+    assert "kernels off" in hardware.hardware_line()
+    monkeypatch.setenv("KVFORGE_KERNELS", "1")
+    monkeypatch.setenv("KVFORGE_ISA", "native")
+    assert "kernels native (KVFORGE_ISA=native" in hardware.hardware_line()

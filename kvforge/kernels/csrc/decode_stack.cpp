@@ -579,7 +579,7 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<pybind11::object>>, at::Tensor, double,
                           int64_t, int64_t, int64_t, double>())
       // the GIL is released while a step runs, so Python threads (swap copies, the server)
