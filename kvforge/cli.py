@@ -1,4 +1,4 @@
-"""Command line: ``kvforge generate "prompt"``, ``kvforge chat``, ``kvforge info``."""
+"""Command line: ``kvforge generate "prompt"``, ``kvforge chat``, ``kvforge info``, ``kvforge pull``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ from kvforge.sampling_params import SamplingParams
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help="GGUF file, HF directory or catalogue name "
+                   "(kvforge models; default: smollm2-135m-instruct)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool budget, e.g. 512MiB, 2GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
@@ -24,11 +25,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs")
     g.add_argument("--mlfq-quanta", default=None, metavar="Q1,Q2,...",
                    help="mlfq: quanta of the bounded levels in tokens of work, strictly "
-                        "increasing (default 64,256,1024; an unbounded level follows)")
+                        "increasing (default 8,32,128,512; an unbounded level follows)")
     g.add_argument("--mlfq-starvation-steps", type=int, default=256,
                    help="mlfq: steps a waiting request may go unscheduled before promotion")
-    g.add_argument("--mlfq-prefill-weight", type=float, default=1.0,
-                   help="mlfq: work of one prefill token relative to one decode step, in (0, 1]")
+    g.add_argument("--mlfq-prefill-weight", type=float, default=0.1,
+                   help="mlfq: work of one prefill token relative to one decode step, in (0, 1] "
+                        "(default 0.1: a batched prompt token costs ~0.1 of a decode step on CPU)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     g.add_argument("--swap-copy-mode", default="auto", choices=["auto", "async", "sync"],
                    help="swap copies on a worker thread / CUDA side stream (async) or inline")
@@ -226,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench_serve)
     from kvforge.quant.commands import add_quant_commands
     add_quant_commands(sub, add_engine_args)
+    from kvforge.loader.catalog_commands import add_catalog_commands
+    add_catalog_commands(sub)
     args = parser.parse_args(argv)
+    from kvforge.loader.catalog_pull import PullError
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, PullError) as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
 

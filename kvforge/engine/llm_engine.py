@@ -283,6 +283,12 @@ class LLMEngine:
         return self.kv_manager.num_free_blocks
 
     @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks that running or swapped requests reference (0 when idle; the
+        prefix cache's own blocks are in ``prefix_cache_stats``)."""
+        return self.kv_manager.usage
+
+    @property
     def prefix_cache_stats(self):
         """PrefixCacheStats (queries, query/hit tokens, hit_rate, evicted/cached blocks) or
         None with --no-enable-prefix-caching."""

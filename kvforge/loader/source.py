@@ -3,6 +3,7 @@
     load_model_source(None)            -> the default GGUF (see default_model.py)
     load_model_source("dir/")          -> HF directory (config.json + safetensors)
     load_model_source("model.gguf")    -> GGUF file
+    load_model_source("gemma-3-270m")  -> a catalogue model, pulled on first use (catalog.py)
 
 Weights always come out under Hugging Face parameter names, one tensor at a time.
 """
@@ -15,7 +16,7 @@ from typing import Any, Iterator, Literal
 import torch
 
 from kvforge.loader import gguf_loader, hf_loader
-from kvforge.loader.default_model import default_model_path
+from kvforge.loader.catalog import CATALOG, resolve_model
 from kvforge.models.config import ModelConfig
 from kvforge.tokenizer import Tokenizer
 
@@ -48,9 +49,8 @@ class ModelSource:
 
 
 def load_model_source(path: str | None = None) -> ModelSource:
-    if path is None:
-        path = default_model_path()
-    path = os.path.abspath(os.path.expanduser(path))
+    given = path
+    path = os.path.abspath(os.path.expanduser(resolve_model(path)))
     if os.path.isdir(path):
         if not hf_loader.is_hf_dir(path):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")
@@ -63,4 +63,5 @@ def load_model_source(path: str | None = None) -> ModelSource:
         reader = gguf_loader.open_gguf(path)
         config = ModelConfig.from_hf_dict(gguf_loader.gguf_to_hf_config(reader))
         return ModelSource(config=config, path=path, format="gguf", _reader=reader)
-    raise FileNotFoundError(f"model path not found: {path!r}")
+    raise FileNotFoundError(f"model path not found: {path!r} ({given!r} is not a catalogue "
+                            f"name either: {', '.join(CATALOG)})")

