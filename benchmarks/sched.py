@@ -1,6 +1,7 @@
-"""FCFS vs skip-join MLFQ on a heavy-tailed Poisson workload, replayed through the engine.
+"""FCFS vs skip-join MLFQ (vs priority) through the engine: two workloads, two clocks.
 
-Workload: ``--num-requests`` requests with short prompts (uniform in [--min-prompt,
+Workloads (``--workload``):
+- ``pareto`` (default): ``--num-requests`` requests with short prompts (uniform in [--min-prompt,
 --max-prompt]) and output lengths from a Pareto law (shape ``--pareto-alpha``, scale
 ``--pareto-scale`` tokens, capped at ``--max-output``), except a ``--long-fraction`` of jobs
 whose output is uniform in [max_output / 2, max_output]: many short jobs, a few very long ones
@@ -11,6 +12,20 @@ as the requests take to arrive (printed): the regime where queueing, not a job's
 dominates its completion time, and where FastServe reports its gains; ``--load 0.95`` shows the
 steady, just-below-capacity case. Both policies get the same requests at the same
 arrival times (same seed).
+- ``head-of-line``: ``--num-long`` requests of ``--long-output`` tokens submitted ahead of
+  ``--num-short`` of ``--short-output`` tokens, all at once (offline ``LLM.generate``), prompts
+  as above, ``max_num_seqs`` 4 unless given: the case where FCFS makes every short job wait for
+  the long ones.
+
+Real clock (``--real-clock``): requests are added to the engine when their arrival time has
+passed on ``time.perf_counter`` (head-of-line: all before the first step, as ``LLM.generate``
+does) and each job's JCT and TTFT come from its ``RequestOutput.metrics`` (finished / first
+token - arrival). fcfs, mlfq and priority (``priority`` = the job's output length: a
+non-preemptive shortest-job-first that knows every length, a reference) run in turn for
+``--rounds`` rounds, so slow drift on a shared machine hits each alike; every policy must give
+the same greedy outputs. Also printed: model steps (a k-step multi-step decode counts k), the
+machine-independent clock of tests/sched/test_mlfq_engine.py. The engine's own defaults apply
+(preemption by recompute, mlfq quanta and prefill weight) unless given.
 
 Clock (simulated, stated in the output): each engine step advances the clock by the calibrated
 cost of its batch, ``c0 + c1 * scheduled_tokens`` seconds, with c0 and c1 fitted once at start
@@ -21,8 +36,9 @@ both policies are charged the same price for the same work and noise from other 
 shared box favours neither; idle gaps jump to the next arrival. The real wall time of each
 replay is printed too.
 
-MLFQ's work measure: ``--mlfq-prefill-weight auto`` charges a prompt token c1 / (c0 + c1) of a
-decode step, the calibrated ratio (FastServe measures service in time).
+MLFQ's work measure: the engine's default prefill weight unless given; ``--mlfq-prefill-weight
+auto`` charges a prompt token c1 / (c0 + c1) of a decode step, the calibrated ratio (FastServe
+measures service in time).
 
 Metrics per policy: mean / p99 job completion time (JCT = finish - arrival) and TTFT, mean JCT
 of the shorter half and of the longest 5% of jobs (where MLFQ is expected to lose), throughput
@@ -31,6 +47,8 @@ then the fcfs / mlfq ratios.
 
     .venv/bin/python benchmarks/sched.py --threads 1          # defaults: ~3 minutes, 2 cores
     .venv/bin/python benchmarks/sched.py --threads 1 --load 0.95
+    .venv/bin/python benchmarks/sched.py --real-clock --workload head-of-line   # ~3 minutes
+    .venv/bin/python benchmarks/sched.py --real-clock --workload pareto --load 0.95
 """
 from __future__ import annotations
 
@@ -76,6 +94,8 @@ class JobResult:
 
 
 def make_jobs(args, vocab_size: int) -> list[Job]:
+    if args.workload == "head-of-line":
+        return make_head_of_line_jobs(args, vocab_size)
     rng = np.random.default_rng(args.seed)
     jobs = []
     for _ in range(args.num_requests):
@@ -87,6 +107,28 @@ def make_jobs(args, vocab_size: int) -> list[Job]:
             out_len = int(rng.integers(args.max_output // 2, args.max_output + 1))
         jobs.append(Job(prompt, max(1, min(out_len, args.max_output))))
     return jobs
+
+
+def make_head_of_line_jobs(args, vocab_size: int) -> list[Job]:
+    """The long jobs first, then the short ones; every arrival at 0."""
+    rng = np.random.default_rng(args.seed)
+    lengths = [args.long_output] * args.num_long + [args.short_output] * args.num_short
+    jobs = []
+    for output_len in lengths:
+        prompt_len = int(rng.integers(args.min_prompt, args.max_prompt + 1))
+        jobs.append(Job([int(t) for t in rng.integers(100, vocab_size, prompt_len)], output_len))
+    return jobs
+
+
+def set_poisson_arrivals(args, jobs: list[Job], capacity_jobs_per_s: float) -> float:
+    """Arrival times at ``--load`` x capacity (pareto); head-of-line: all at 0. Returns the rate."""
+    if args.workload == "head-of-line":
+        return float("inf")
+    rate = args.load * capacity_jobs_per_s
+    gaps = np.random.default_rng(args.seed + 1).exponential(1.0 / rate, len(jobs))
+    for job, t in zip(jobs, np.cumsum(gaps) - gaps[0]):
+        job.arrival = float(t)
+    return rate
 
 
 def calibrate_step_cost(llm: LLM, vocab_size: int) -> tuple[float, float]:
@@ -176,14 +218,39 @@ def summarize(results: list[JobResult], makespan: float) -> dict[str, float]:
     }
 
 
+def workload_line(args, jobs: list[Job], rate: float) -> str:
+    lengths = sorted(j.output_len for j in jobs)
+    prompts = f"prompts {args.min_prompt}-{args.max_prompt} tokens"
+    if args.workload == "head-of-line":
+        return (f"workload: head-of-line, {args.num_long} x {args.long_output} output tokens "
+                f"submitted ahead of {args.num_short} x {args.short_output}, all at once, "
+                f"{prompts}, greedy, ignore_eos, seed {args.seed}")
+    return (f"workload: {len(jobs)} requests, Poisson {rate:.2f} req/s over "
+            f"{jobs[-1].arrival:.1f} s (load {args.load}), {prompts}, outputs Pareto(alpha "
+            f"{args.pareto_alpha}, scale {args.pareto_scale}) capped {args.max_output}, "
+            f"{args.long_fraction:.0%} long in [{args.max_output // 2}, {args.max_output}]: "
+            f"median {lengths[len(lengths) // 2]}, mean {np.mean(lengths):.1f}, max "
+            f"{lengths[-1]}, seed {args.seed}")
+
+
+def mlfq_line(cfg) -> str:
+    return (f"mlfq: quanta {','.join(map(str, cfg.quanta))} + unbounded tokens of work, "
+            f"prefill weight {cfg.prefill_weight:.3f}, starvation bound "
+            f"{cfg.starvation_steps} steps")
+
+
 def prefill_weight(arg: str, c0: float, c1: float) -> float:
     """``auto``: a prompt token costs c1, a one-token decode step c0 + c1."""
     return min(1.0, c1 / (c0 + c1)) if arg == "auto" else float(arg)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M GGUF)")
+    p.add_argument("--workload", default="pareto", choices=["pareto", "head-of-line"])
+    p.add_argument("--real-clock", action="store_true",
+                   help="measure on time.perf_counter, fcfs / mlfq / priority in turn")
+    p.add_argument("--rounds", type=int, default=2, help="--real-clock: rounds of all policies")
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--min-prompt", type=int, default=4)
     p.add_argument("--max-prompt", type=int, default=24)
@@ -192,63 +259,91 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=400)
     p.add_argument("--long-fraction", type=float, default=0.05,
                    help="share of jobs whose output is uniform in [max_output/2, max_output]")
+    p.add_argument("--num-long", type=int, default=8, help="head-of-line: long jobs (first)")
+    p.add_argument("--long-output", type=int, default=160)
+    p.add_argument("--num-short", type=int, default=32, help="head-of-line: short jobs (after)")
+    p.add_argument("--short-output", type=int, default=8)
     p.add_argument("--load", type=float, default=1.5,
                    help="offered decode load / capacity (1.5: a burst above capacity)")
-    p.add_argument("--max-num-seqs", type=int, default=2)
-    p.add_argument("--mlfq-quanta", default="16,64,256",
-                   help="bounded levels' quanta in tokens of work (prompts here are short)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: 4 for head-of-line, 2 for pareto")
+    p.add_argument("--mlfq-quanta", default=None,
+                   help="bounded levels' quanta in tokens of work (default: the engine's)")
     p.add_argument("--mlfq-starvation-steps", type=int, default=256)
-    p.add_argument("--mlfq-prefill-weight", default="auto",
-                   help="'auto' = calibrated prefill-token / decode-step cost, or a number")
-    p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap", "auto"])
+    p.add_argument("--mlfq-prefill-weight", default=None,
+                   help="'auto' = calibrated prefill-token / decode-step cost, or a number "
+                        "(default: the engine's)")
+    p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap", "auto"],
+                   help="default: swap on the simulated clock, the engine's (recompute) on "
+                        "the real one")
     p.add_argument("--swap-copy-mode", default="auto", choices=["auto", "async", "sync"])
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not 0 < args.load:
         raise SystemExit(f"--load must be > 0, got {args.load}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    for name in ("num_long", "num_short", "long_output", "short_output"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 4 if args.workload == "head-of-line" else 2
+    if args.preemption_mode is None:
+        args.preemption_mode = "recompute" if args.real_clock else "swap"
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
 
-    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=1024,
+
+def mlfq_options(args, c0: float, c1: float) -> dict:
+    """The engine's mlfq options the command line sets (the rest stay the engine's defaults)."""
+    options = {"mlfq_starvation_steps": args.mlfq_starvation_steps}
+    if args.mlfq_quanta is not None:
+        options["mlfq_quanta"] = args.mlfq_quanta
+    if args.mlfq_prefill_weight is not None:
+        options["mlfq_prefill_weight"] = prefill_weight(args.mlfq_prefill_weight, c0, c1)
+    return options
+
+
+def main() -> None:
+    args = parse_args()
+    if args.real_clock:
+        main_real_clock(args)
+    else:
+        main_simulated(args)
+
+
+def main_simulated(args) -> None:
+    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
                          num_threads=args.threads or torch.get_num_threads())
     fcfs = LLM(args.model, scheduling_policy="fcfs", **engine_kwargs)
     vocab = fcfs.engine.model_config.vocab_size
     c0, c1 = calibrate_step_cost(fcfs, vocab)
-    weight = prefill_weight(args.mlfq_prefill_weight, c0, c1)
     llms = {"fcfs": fcfs,
-            "mlfq": LLM(args.model, scheduling_policy="mlfq", mlfq_quanta=args.mlfq_quanta,
-                        mlfq_starvation_steps=args.mlfq_starvation_steps,
-                        mlfq_prefill_weight=weight, **engine_kwargs)}
+            "mlfq": LLM(args.model, scheduling_policy="mlfq", **mlfq_options(args, c0, c1),
+                        **engine_kwargs)}
+    weight = llms["mlfq"].engine.scheduler.waiting.config.prefill_weight
 
     jobs = make_jobs(args, vocab)
     mean_out = float(np.mean([j.output_len for j in jobs]))
     # a full batch of decodes serves max_num_seqs tokens per (c0 + c1 * max_num_seqs) seconds
     capacity_jobs_per_s = args.max_num_seqs / ((c0 + c1 * args.max_num_seqs) * mean_out)
-    rate = args.load * capacity_jobs_per_s
-    gaps = np.random.default_rng(args.seed + 1).exponential(1.0 / rate, len(jobs))
-    for job, t in zip(jobs, np.cumsum(gaps) - gaps[0]):
-        job.arrival = float(t)
+    rate = set_poisson_arrivals(args, jobs, capacity_jobs_per_s)
 
     print(hardware_line())
     print(f"model: {fcfs.engine.model_config.architecture}, max_num_seqs "
           f"{args.max_num_seqs}; clock: simulated, step = {c0 * 1e3:.2f} ms + "
           f"{c1 * 1e6:.1f} us x scheduled tokens (calibrated here) + exposed swap copy time")
-    lengths = sorted(j.output_len for j in jobs)
-    print(f"workload: {len(jobs)} requests, Poisson {rate:.2f} req/s over "
-          f"{jobs[-1].arrival:.1f} s (load {args.load}), prompts {args.min_prompt}-"
-          f"{args.max_prompt} tokens, outputs Pareto(alpha {args.pareto_alpha}, scale "
-          f"{args.pareto_scale}) capped {args.max_output}, {args.long_fraction:.0%} long in "
-          f"[{args.max_output // 2}, {args.max_output}]: median {lengths[len(lengths) // 2]}, "
-          f"mean {mean_out:.1f}, max {lengths[-1]}, seed {args.seed}")
+    print(workload_line(args, jobs, rate))
     mlfq_cfg = llms["mlfq"].engine.scheduler.waiting.config
     swapper = llms["mlfq"].engine.scheduler.swapper
     print(f"preemption mode: {args.preemption_mode}"
-          f"{f' ({swapper.copier.mode} copies)' if swapper is not None else ''}; mlfq: quanta "
-          f"{','.join(map(str, mlfq_cfg.quanta))} + unbounded tokens of work, prefill weight "
-          f"{mlfq_cfg.prefill_weight:.3f}, starvation bound {mlfq_cfg.starvation_steps} steps")
+          f"{f' ({swapper.copier.mode} copies)' if swapper is not None else ''}; "
+          f"{mlfq_line(mlfq_cfg)}")
 
     stats = {}
     for policy, llm in llms.items():
@@ -279,11 +374,133 @@ def main() -> None:
     loses = [k for k in ("mean_jct", "p99_jct", "mean_ttft", "p99_ttft", "mean_jct_short50",
                          "mean_jct_longest5") if stats["fcfs"][k] < stats["mlfq"][k]]
     print(f"mlfq loses on: {', '.join(loses) or 'nothing measured here'}")
-    print(f"SUMMARY sched: mlfq vs fcfs at load {args.load}: mean JCT {s['mean_jct']:.2f}x lower, "
+    load = "offline burst" if args.workload == "head-of-line" else f"load {args.load}"
+    print(f"SUMMARY sched ({args.workload}, simulated clock): mlfq vs fcfs at {load}: "
+          f"mean JCT {s['mean_jct']:.2f}x lower, "
           f"mean TTFT {s['mean_ttft']:.2f}x lower, p99 JCT {s['p99_jct']:.2f}x, longest-5% JCT "
           f"{s['mean_jct_longest5']:.2f}x (below 1 = mlfq loses), throughput ratio "
           f"{1 / s['throughput']:.2f} (mlfq/fcfs), preemptions {stats['mlfq']['preemptions']}, "
           f"swaps {stats['mlfq']['swaps']}")
+
+# ---- real clock ------------------------------------------------------------------------------
+REAL_POLICIES = ("fcfs", "mlfq", "priority")
+
+
+def replay_real_clock(llm: LLM, jobs: list[Job], use_priority: bool
+                      ) -> tuple[list[JobResult], float, int, list[list[int]]]:
+    """Add each job once ``time.perf_counter`` passes its arrival (head-of-line: all before the
+    first step) and step until all finish. Returns (results in job order, wall seconds from the
+    first arrival to the last finish, model steps, output token ids in job order). Times come
+    from ``RequestOutput.metrics`` (``time.monotonic``), relative to each job's arrival."""
+    engine = llm.engine
+    steps_of_last_call = [0]
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        steps_of_last_call[0] = 1 + max(out.num_lookahead_tokens.values(), default=0)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    results: dict[str, JobResult] = {}
+    tokens: dict[str, list[int]] = {}
+    model_steps, next_job = 0, 0
+    start = time.perf_counter()
+    try:
+        while len(results) < len(jobs):
+            now = time.perf_counter() - start
+            if not engine.has_unfinished_requests() and jobs[next_job].arrival > now:
+                time.sleep(jobs[next_job].arrival - now)           # idle until the next arrival
+                now = time.perf_counter() - start
+            while next_job < len(jobs) and jobs[next_job].arrival <= now:
+                job = jobs[next_job]
+                engine.add_request(str(next_job), job.prompt_token_ids,
+                                   SamplingParams(temperature=0.0, max_tokens=job.output_len,
+                                                  ignore_eos=True),
+                                   priority=job.output_len if use_priority else 0)
+                next_job += 1
+            for out in engine.step():
+                if out.finished:
+                    m = out.metrics
+                    job = jobs[int(out.request_id)]
+                    results[out.request_id] = JobResult(
+                        0.0, job.output_len, m.first_token_time - m.arrival_time,
+                        m.finished_time - m.arrival_time, m.num_preemptions, m.num_swaps)
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            model_steps += steps_of_last_call[0]
+    finally:
+        engine.scheduler.schedule = schedule
+    wall = time.perf_counter() - start
+    engine.check_integrity()
+    assert engine.num_free_blocks == engine.runner.num_blocks, "leaked KV blocks"
+    order = [str(i) for i in range(len(jobs))]
+    return [results[i] for i in order], wall, model_steps, [tokens[i] for i in order]
+
+
+def main_real_clock(args) -> None:
+    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
+                         num_threads=args.threads or torch.get_num_threads())
+    fcfs = LLM(args.model, scheduling_policy="fcfs", **engine_kwargs)
+    vocab = fcfs.engine.model_config.vocab_size
+    # for pareto's arrival rate and --mlfq-prefill-weight auto
+    c0, c1 = calibrate_step_cost(fcfs, vocab)
+    llms = {"fcfs": fcfs,
+            "mlfq": LLM(args.model, scheduling_policy="mlfq", **mlfq_options(args, c0, c1),
+                        **engine_kwargs),
+            "priority": LLM(args.model, scheduling_policy="priority", **engine_kwargs)}
+    jobs = make_jobs(args, vocab)
+    mean_out = float(np.mean([j.output_len for j in jobs]))
+    rate = set_poisson_arrivals(
+        args, jobs, args.max_num_seqs / ((c0 + c1 * args.max_num_seqs) * mean_out))
+
+    print(hardware_line())
+    print(f"model: {fcfs.engine.model_config.architecture}, max_num_seqs {args.max_num_seqs}; "
+          f"clock: real (time.perf_counter; JCT and TTFT from RequestOutput.metrics), "
+          f"{args.rounds} round(s) of {', '.join(REAL_POLICIES)} in turn")
+    print(workload_line(args, jobs, rate))
+    print(f"preemption mode: {args.preemption_mode}; "
+          f"{mlfq_line(llms['mlfq'].engine.scheduler.waiting.config)}; priority = the job's "
+          f"output length (non-preemptive shortest-job-first that knows every length)")
+
+    runs: dict[str, list[dict]] = {policy: [] for policy in REAL_POLICIES}
+    outputs: dict[str, list[list[int]]] = {}
+    for round_ in range(args.rounds):
+        for policy in REAL_POLICIES:
+            results, wall, model_steps, tokens = replay_real_clock(
+                llms[policy], jobs, use_priority=policy == "priority")
+            stats = summarize(results, wall)
+            stats.update(wall_s=wall, model_steps=model_steps)
+            runs[policy].append(stats)
+            if outputs.setdefault("reference", tokens) != tokens:
+                raise SystemExit(f"{policy} (round {round_ + 1}) changed greedy outputs")
+            print(f"round {round_ + 1} {policy}: mean JCT {stats['mean_jct']:.2f} s, wall "
+                  f"{wall:.2f} s, {model_steps} model steps, {stats['preemptions']} preemptions",
+                  flush=True)
+    # per policy: the mean over rounds (the rounds alternate, so drift is shared)
+    stats = {policy: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]}
+             for policy, rs in runs.items()}
+    keys = ["mean_jct", "p99_jct", "mean_ttft", "p99_ttft", "mean_jct_short50",
+            "mean_jct_longest5", "throughput", "wall_s", "model_steps", "preemptions"]
+    rows = [[k, *(stats[p][k] for p in REAL_POLICIES),
+             stats["fcfs"][k] / stats["mlfq"][k] if stats["mlfq"][k] else float("nan")]
+            for k in keys]
+    print(format_table(["metric (real s; mean of rounds)", *REAL_POLICIES, "fcfs/mlfq"], rows))
+    print("outputs: identical across policies and rounds (greedy)")
+    if args.json:
+        write_json(args.json, {"args": vars(args), "c0": c0, "c1": c1, "runs": runs,
+                               "stats": stats})
+    f, m = stats["fcfs"], stats["mlfq"]
+    load = "offline burst" if args.workload == "head-of-line" else f"load {args.load}"
+    print(f"SUMMARY sched ({args.workload}, real clock, {hardware_line()}): mlfq vs fcfs at "
+          f"{load}: mean JCT {f['mean_jct'] / m['mean_jct']:.2f}x lower ({f['mean_jct']:.2f} -> "
+          f"{m['mean_jct']:.2f} s), short jobs' mean JCT "
+          f"{f['mean_jct_short50'] / m['mean_jct_short50']:.2f}x "
+          f"lower, mean TTFT {f['mean_ttft'] / m['mean_ttft']:.2f}x lower, p99 JCT "
+          f"{f['p99_jct'] / m['p99_jct']:.2f}x, wall {m['wall_s'] / f['wall_s']:.3f} of fcfs, "
+          f"model steps {m['model_steps'] / f['model_steps']:.3f} of fcfs, preemptions "
+          f"{m['preemptions']:.0f}; priority (SJF oracle) mean JCT "
+          f"{f['mean_jct'] / stats['priority']['mean_jct']:.2f}x lower; outputs identical")
 
 
 if __name__ == "__main__":

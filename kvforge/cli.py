@@ -25,11 +25,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs")
     g.add_argument("--mlfq-quanta", default=None, metavar="Q1,Q2,...",
                    help="mlfq: quanta of the bounded levels in tokens of work, strictly "
-                        "increasing (default 64,256,1024; an unbounded level follows)")
+                        "increasing (default 8,32,128,512; an unbounded level follows)")
     g.add_argument("--mlfq-starvation-steps", type=int, default=256,
                    help="mlfq: steps a waiting request may go unscheduled before promotion")
-    g.add_argument("--mlfq-prefill-weight", type=float, default=1.0,
-                   help="mlfq: work of one prefill token relative to one decode step, in (0, 1]")
+    g.add_argument("--mlfq-prefill-weight", type=float, default=0.1,
+                   help="mlfq: work of one prefill token relative to one decode step, in (0, 1] "
+                        "(default 0.1: a batched prompt token costs ~0.1 of a decode step on CPU)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     g.add_argument("--swap-copy-mode", default="auto", choices=["auto", "async", "sync"],
                    help="swap copies on a worker thread / CUDA side stream (async) or inline")

@@ -38,11 +38,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True   # radix-tree reuse of KV across shared prefixes
     scheduling_policy: str = "fcfs"
     # mlfq policy (sched/mlfq.py MLFQConfig): quanta of the bounded levels in tokens of work
-    # (None = 64,256,1024; a last unbounded level follows), steps a waiting request may starve
+    # (None = 8,32,128,512; a last unbounded level follows), steps a waiting request may starve
     # before promotion to level 0, work of a prefill token relative to a decode step
     mlfq_quanta: tuple[int, ...] | str | None = None
     mlfq_starvation_steps: int = 256
-    mlfq_prefill_weight: float = 1.0
+    mlfq_prefill_weight: float = 0.1
     # preemption (sched/swap.py): recompute | swap | auto (cost model); swapped KV goes to a
     # host pool of swap_host_blocks blocks (None = as many as the engine pool, 0 = disk only),
     # then to memory-mapped files under swap_dir (None = a temp dir)

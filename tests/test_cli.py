@@ -27,3 +27,39 @@ def test_bad_model_path_is_a_clean_error(capsys, tmp_path):
     rc = main(["generate", "x", "--model", str(tmp_path / "missing")])
     assert rc == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation_and_replies_like_the_api(tiny_model_factory, capsys,
+                                                             monkeypatch):
+    """Two turns typed on stdin, then an empty line: each reply is the greedy completion of the
+    whole conversation so far (system message, earlier turns and replies) in the chat template."""
+    import io
+
+    from kvforge.tokenizer import Tokenizer
+    path, _ = tiny_model_factory("llama")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\nAnd then?\n\nnever read\n"))
+    rc = main(["chat", "--model", path, "--system", "Be brief.", "--max-tokens", "6",
+               "--num-kv-blocks", "64"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+
+    llm, tok = LLM(path, num_kv_blocks=64), Tokenizer.from_pretrained(path)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    messages = [{"role": "system", "content": "Be brief."}]
+    expected = ""
+    for user in ("Hello there", "And then?"):
+        messages.append({"role": "user", "content": user})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        reply = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        expected += f"> {reply}\n"
+    assert all(m["content"] for m in messages[2::2]), messages     # replies are not empty
+    assert printed == expected + "> "                    # the empty line ends the chat
+
+
+def test_chat_ends_at_end_of_input(tiny_model_factory, capsys, monkeypatch):
+    import io
+    path, _ = tiny_model_factory("llama")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", "--model", path, "--num-kv-blocks", "64"]) == 0
+    assert capsys.readouterr().out == "> "

@@ -4,9 +4,12 @@ from __future__ import annotations
 import pytest
 
 from kvforge.tokenizer import Tokenizer
+from tests.helpers.reference_bpe import ReferenceBPE
 
 TEXTS = ["Hello", "Hello, world! 1234", "naïve café ünïcödé", "世界你好，こんにちは", "🤗 emoji 👨‍👩‍👧 zwj",
-         "tabs\tand\nnewlines\n\n  spaces", "a . b , c ' s", "<|im_start|>user"]
+         "tabs\tand\nnewlines\n\n  spaces", "a . b , c ' s", "<|im_start|>user",
+         "It's 3.14159 -- don't  stop", "x<|im_end|>\n<|im_start|>assistant\n  ",
+         "   leading and trailing   "]
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -25,11 +28,18 @@ def test_vocabulary_facts(tok):
     assert tok.eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_encode_matches_transformers_and_round_trips(tok, text):
-    ids = tok.encode(text)
-    assert ids == tok.hf_tokenizer(text)["input_ids"]
-    assert tok.decode(ids, skip_special_tokens=False) == text
+@pytest.fixture(scope="module")
+def reference(default_model_path) -> ReferenceBPE:
+    return ReferenceBPE.from_gguf(default_model_path)
+
+
+def test_encode_matches_reference_bpe_and_round_trips(tok, reference):
+    """Against BPE written from llama.cpp's definition over the GGUF's own vocabulary and merges
+    (tests/helpers/reference_bpe.py), not the transformers tokenizer this class wraps."""
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == reference.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
 
 
 def test_known_ids(tok):

@@ -137,8 +137,8 @@ class PagedAttentionBackend(AttentionBackend):
     kernel (kvforge/kernels) when it is available."""
 
     # Gathered decode K+V per slice. Small enough to stay in the last-level cache between the
-    # gather and the attention that reads it (8 MiB measured ~4x faster than one big gather of
-    # 64 x 512 tokens on a 32 MiB-L3 CPU), and it bounds the temporary memory of long contexts.
+    # gather and the attention that reads it (one big gather of a large batch's whole context
+    # would spill to memory between the two), and it bounds the temporary memory of long contexts.
     decode_gather_bytes: int = 8 * 2**20
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

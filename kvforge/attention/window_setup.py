@@ -7,6 +7,8 @@
 - Otherwise a model config's ``sliding_window`` (Mistral; Qwen2 / Qwen2-MoE only with
   ``use_sliding_window``, on the layers its ``layer_types`` (or ``max_window_layers``) name):
   a true-position window on those layers, only when it can matter (W < max_model_len).
+  A model class with ``applies_own_sliding_window`` (Gemma 3) builds its windowed layers
+  itself and gets no plan here.
 
 KV blocks are freed only when every layer is windowed (a full-attention layer still reads the
 whole context). Freed blocks break prefix sharing, so the prefix cache is then off.
@@ -103,6 +105,12 @@ def _check_architecture(model_config: "ModelConfig", what: str) -> None:
                          f"attention over the paged cache); {model_config.architecture} is not")
 
 
+def _applies_own_sliding_window(model_config: "ModelConfig") -> bool:
+    from kvforge.models.registry import get_model_class
+    return getattr(get_model_class(model_config.architecture), "applies_own_sliding_window",
+                   False)
+
+
 def resolve_attention_window(config: "EngineConfig",
                              model_config: "ModelConfig") -> WindowPlan | None:
     """The engine's window plan, or None for full attention everywhere. Pure: the engine (KV
@@ -121,6 +129,8 @@ def resolve_attention_window(config: "EngineConfig",
     max_len = config.max_model_len or model_config.max_position_embeddings
     if not size or size >= max_len:
         return None                 # no query can reach past the window: full attention is exact
+    if _applies_own_sliding_window(model_config):
+        return None                 # its layers carry their windows (e.g. models/gemma3.py)
     layers = native_window_layers(model_config)
     if not any(layers):
         return None

@@ -36,13 +36,25 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class EngineStats:
-    """A snapshot taken by the engine thread after every step (read by metrics / admission)."""
+    """A snapshot taken by the engine thread after every step and after every batch of
+    commands (so an abort that empties the engine shows at once; read by metrics / admission)."""
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0         # blocks requests reference / all blocks (0 when idle)
+    num_free_blocks: int = 0            # free + evictable cached blocks
     num_preemptions_total: int = 0
     num_steps: int = 0
+    # prefix cache (all 0 with it off): blocks it holds, those of them no request uses, and
+    # the tokens admissions asked for / found cached since start
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictable_blocks: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 class AsyncLLMEngine:
@@ -150,26 +162,28 @@ class AsyncLLMEngine:
             except BaseException as e:          # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Run the queued commands; whether there were any."""
         try:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._run_command(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._drain(block=not self.engine.has_unfinished_requests()):
+                    self._update_stats(stepped=False)   # adds and aborts show before a step
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
-                self._update_stats()
+                self._update_stats(stepped=True)
                 for out in outputs:
                     self._deliver(out.request_id, out)
                     if out.finished:
@@ -195,16 +209,22 @@ class AsyncLLMEngine:
                 break
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
-        self._update_stats()
+        self._update_stats(stepped=False)
 
-    def _update_stats(self) -> None:
+    def _update_stats(self, stepped: bool) -> None:
         e = self.engine
         s = self.stats
         s.num_running = e.scheduler.num_running
         s.num_waiting = e.scheduler.num_waiting
-        s.kv_cache_usage = e.kv_manager.usage
+        s.kv_cache_usage = e.kv_cache_usage
         s.num_free_blocks = e.num_free_blocks
         s.num_preemptions_total = getattr(e, "num_preemptions_total", 0)
-        s.num_steps += 1
+        s.num_steps += stepped
+        prefix = e.prefix_cache_stats
+        if prefix is not None:
+            s.prefix_cache_blocks = prefix.cached_blocks
+            s.prefix_cache_evictable_blocks = prefix.evictable_blocks
+            s.prefix_cache_query_tokens = prefix.query_tokens
+            s.prefix_cache_hit_tokens = prefix.hit_tokens
         if self._step_callback is not None:
             self._step_callback(s)

@@ -120,8 +120,8 @@ class LLMEngine:
                     self.runner.num_blocks, self.runner.num_blocks * config.block_size,
                     self.runner.kv_bytes_per_token)
         # the long-lived objects made so far (tokenizer vocabularies, modules, the radix tree's
-        # root) leave the collector's generations: a full collection walked them all, ~4% of
-        # a prefill-heavy run's time in perf (vLLM freezes after start-up for the same reason)
+        # root) leave the collector's generations: a full collection walked them all, a visible
+        # share of a prefill-heavy run's time in perf (vLLM freezes after start-up for the same reason)
         gc.collect()
         gc.freeze()
 
@@ -281,6 +281,12 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         """Free KV capacity in blocks: truly free plus cached-but-unused (evictable) blocks."""
         return self.kv_manager.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks that running or swapped requests reference (0 when idle; the
+        prefix cache's own blocks are in ``prefix_cache_stats``)."""
+        return self.kv_manager.usage
 
     @property
     def prefix_cache_stats(self):

@@ -2,12 +2,10 @@
 
 A batch-1 decode step reads every weight once (540 MB for SmolLM2 in fp32). With 4 KiB pages
 that is ~130k TLB misses a step and every projection's stream restarts its page walks; with 2 MiB
-pages the walks all but vanish. Measured on this project's Zen 4 VM, the engine's own 121 packed
-decode projections (stack + LM head) in one huge-page buffer vs the same in 4 KiB-page tensors,
-alternated in one process: 0.865 vs 0.776 of a 4 KiB-page t.sum pass (+11%) while memory ran at
-~50 GB/s, even at ~30 GB/s; a t.sum pass itself gains 1.0-1.03x in the slow mode and up to
-1.1-1.3x in the fast one (``benchmarks/linear_kernel.py`` compares the two placements). The
-first touch costs more: ~0.35-0.6 s for 540 MB vs ~0.12-0.25 s with 4 KiB pages.
+pages the walks all but vanish, so the packed decode projections (stack + LM head) live in one
+huge-page buffer in the order a step reads them. ``benchmarks/linear_kernel.py`` times the same
+projections in that buffer against ordinary 4 KiB-page tensors. The price is a slower first
+touch: the kernel zeroes 2 MiB at a time.
 
 Linux hands out huge pages to a private anonymous mapping advised ``MADV_HUGEPAGE`` before its
 pages are first touched when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
@@ -60,9 +58,9 @@ def huge_page_zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.
     ordinary ``torch.zeros``. Put tensors read in sequence in one call, in the order read.
 
     ``populate``: fault every page in now rather than at its first write. For the KV pool: a
-    decode step that is first to write into a 2 MiB page waits for the kernel to zero it (~0.1
-    ms); in a SmolLM2 batch-1 step those faults took ~2% of the time while the pool was warming
-    up. (``torch.zeros`` writes its zeros, so the fallback is populated either way.)"""
+    decode step that is first to write into a 2 MiB page waits for the kernel to zero it, a
+    cost batch-1 decode steps would pay while the pool warms up. (``torch.zeros`` writes its
+    zeros, so the fallback is populated either way.)"""
     device = torch.device(device)
     item = dtype.itemsize
     align = max(_ALIGN_BYTES // item, 1)

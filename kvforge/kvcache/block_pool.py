@@ -12,6 +12,14 @@ threaded through the block objects themselves, so that
                       ^ evicted / reused first    ^ freed most recently
 
 Freed blocks keep their contents until reused, which is what lets a prefix cache revive them.
+
+A block's references come from two kinds of holder, and the pool counts them apart:
+
+    ref_cnt = request references (block tables, in-flight swap copies) + cached (0 or 1)
+
+``num_used_blocks`` counts blocks with a request reference: the KV that running (or swapped-in)
+requests need now. A block that only the prefix cache holds is reusable on demand, so it is not
+"used" (an idle server with a warm cache reads 0 usage), nor is it free (it is not in the queue).
 """
 from __future__ import annotations
 
@@ -19,18 +27,24 @@ from collections.abc import Callable, Iterable, Iterator
 
 
 class KVBlock:
-    """One physical KV block; ``prev_free``/``next_free`` are set only while it is free."""
+    """One physical KV block; ``prev_free``/``next_free`` are set only while it is free;
+    ``cached`` while one of its references is the prefix cache's."""
 
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "cached", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.cached = False
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
+    @property
+    def num_request_refs(self) -> int:
+        return self.ref_cnt - self.cached
+
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.cached})"
 
 
 class FreeBlockQueue:
@@ -88,7 +102,8 @@ class BlockPool:
     """``num_blocks`` KV blocks; callers hold block ids and the pool keeps the reference counts.
 
     All reference counting goes through ``allocate`` / ``incref`` / ``free`` so that a block is
-    free exactly when ``ref_cnt == 0`` (requests and, later, the prefix cache each hold refs).
+    free exactly when ``ref_cnt == 0``; the prefix cache passes ``by_cache=True`` for its one
+    reference per cached block, so that ``num_used_blocks`` can leave cache-only blocks out.
     ``on_block_reused(block_id)`` is called when a free block is handed out again: a prefix
     cache hooks it to forget the block's old contents.
     """
@@ -99,6 +114,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.num_used_blocks = 0            # blocks with at least one request reference
+        self.num_cached_blocks = 0          # blocks holding the prefix cache's reference
         self.on_block_reused: Callable[[int], None] | None = None
 
     @property
@@ -107,8 +124,9 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by someone, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of blocks that requests reference, in [0, 1] (cache-only blocks excluded:
+        0 whenever no request holds KV, however full the prefix cache)."""
+        return self.num_used_blocks / self.num_blocks
 
     def _block(self, block_id: int) -> KVBlock:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
@@ -133,27 +151,46 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             block.ref_cnt = 1
+            self.num_used_blocks += 1
             if self.on_block_reused is not None:
                 self.on_block_reused(block.block_id)
             block_ids.append(block.block_id)
         return block_ids
 
-    def incref(self, block_ids: Iterable[int]) -> None:
+    def incref(self, block_ids: Iterable[int], *, by_cache: bool = False) -> None:
         """Add one reference to each block; a free block is revived (taken out of the queue)
-        with its contents intact."""
+        with its contents intact. ``by_cache``: the reference is the prefix cache's (at most
+        one per block)."""
         for block_id in block_ids:
             block = self._block(block_id)
+            if by_cache and block.cached:
+                raise RuntimeError(f"{block} is already cached")
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            if by_cache:
+                block.cached = True
+                self.num_cached_blocks += 1
+            elif block.num_request_refs == 0:
+                self.num_used_blocks += 1
             block.ref_cnt += 1
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 join the free-queue tail in the
-        order given (so the caller decides which are evicted first)."""
+    def free(self, block_ids: Iterable[int], *, by_cache: bool = False) -> None:
+        """Drop one reference from each block (the prefix cache's with ``by_cache``); blocks
+        reaching 0 join the free-queue tail in the order given (so the caller decides which are
+        evicted first)."""
         for block_id in block_ids:
             block = self._block(block_id)
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of block {block_id} (ref_cnt {block.ref_cnt})")
+            if by_cache:
+                if not block.cached:
+                    raise RuntimeError(f"the prefix cache frees {block}, which it does not hold")
+                block.cached = False
+                self.num_cached_blocks -= 1
+            else:
+                if block.num_request_refs <= 0:
+                    raise RuntimeError(f"double free of block {block_id} (ref_cnt "
+                                       f"{block.ref_cnt}, cached {block.cached})")
+                if block.num_request_refs == 1:
+                    self.num_used_blocks -= 1
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
@@ -188,9 +225,15 @@ class BlockPool:
         assert len(forward) == queue.num_free_blocks, \
             f"free queue holds {len(forward)} blocks but counts {queue.num_free_blocks}"
         for block in self.blocks:
-            assert block.ref_cnt >= 0, f"{block} has a negative ref_cnt"
+            assert block.num_request_refs >= 0, f"{block} has a negative ref_cnt"
             if block.ref_cnt == 0:
                 assert block.block_id in seen, f"{block} has ref_cnt 0 but is not in the free queue"
             else:
                 assert block.prev_free is None and block.next_free is None, \
                     f"{block} is referenced but still linked into the free queue"
+        used = sum(b.num_request_refs > 0 for b in self.blocks)
+        assert used == self.num_used_blocks, \
+            f"{used} blocks have request references but num_used_blocks is {self.num_used_blocks}"
+        cached = sum(b.cached for b in self.blocks)
+        assert cached == self.num_cached_blocks, \
+            f"{cached} blocks are cached but num_cached_blocks is {self.num_cached_blocks}"

@@ -11,6 +11,8 @@ on a handle only when it needs the bytes.
 - CUDA: the worker issues the copies on its own stream, which first waits for an event recorded
   on the submitter's stream (so a swap-out reads blocks only after the forwards that wrote them),
   then synchronizes that stream before the handle reports done (so a waiter may use the bytes).
+  UNTESTED: the suite runs on CPU only (tests/kvcache/test_copy_engine.py covers the CPU worker
+  and sync mode); no test has run this stream / event path on a GPU.
 - One worker, FIFO: a request's swap-in is always queued after its swap-out and reads complete
   bytes without any extra ordering.
 - ``sync`` mode runs every copy inline at submit: the same code path, nothing overlapped.

@@ -95,6 +95,9 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """Fraction of blocks that requests reference: running ones, swapped ones whose KV is
+        coming back or still being copied out. Blocks only the prefix cache holds are left out
+        (they are reusable capacity, see ``num_free_blocks``), so it is 0 when nothing runs."""
         return self.pool.usage
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -173,7 +173,7 @@ class RadixTree:
         node, pos, _ = self._walk(token_ids, split=True)
         if pos < len(token_ids):
             new_blocks = list(block_ids[pos // B:])
-            self.pool.incref(new_blocks)
+            self.pool.incref(new_blocks, by_cache=True)
             leaf = RadixNode(node, tuple(token_ids[pos:]), new_blocks, 0)
             node.children[leaf.token_ids[:B]] = leaf
             self.num_nodes += 1
@@ -230,7 +230,7 @@ class RadixTree:
             self.num_cached_blocks -= node.num_blocks
             self.num_evictable_blocks -= node.num_blocks
             # tail first: within one leaf the last block is the least shareable
-            self.pool.free(reversed(node.block_ids))
+            self.pool.free(reversed(node.block_ids), by_cache=True)
             evicted.extend(reversed(node.block_ids))
             self._push_if_evictable(parent)
         if len(self._heap) > 2 * self.num_nodes + 64:
@@ -301,8 +301,11 @@ class RadixTree:
                 seen_blocks.add(block_id)
                 assert self.pool.ref_cnt(block_id) >= 1, \
                     f"cached block {block_id} has ref_cnt 0 (it is in the free queue)"
+                assert self.pool.blocks[block_id].cached, \
+                    f"cached block {block_id} does not hold the cache's reference in the pool"
         assert num_nodes == self.num_nodes, f"{num_nodes} nodes, counted {self.num_nodes}"
-        assert num_blocks == self.num_cached_blocks, \
-            f"{num_blocks} cached blocks, counted {self.num_cached_blocks}"
+        assert num_blocks == self.num_cached_blocks == self.pool.num_cached_blocks, \
+            f"{num_blocks} cached blocks, counted {self.num_cached_blocks} (pool: " \
+            f"{self.pool.num_cached_blocks})"
         assert num_evictable == self.num_evictable_blocks, \
             f"{num_evictable} evictable blocks, counted {self.num_evictable_blocks}"

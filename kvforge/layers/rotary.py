@@ -115,3 +115,38 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+class ComputedRotaryEmbedding(nn.Module):
+    """RoPE without a table: ``cos_sin`` computes the step's angles from ``inv_freq`` (the same
+    fp32 ``position * inv_freq`` as HF, so the values agree with it bit for bit). For models
+    with long contexts, wide heads and several RoPE bases (Gemma 3: 2 bases x 32k-128k
+    positions x 256 dims would be 128-512 MiB of tables), where one step's T x D/2 cos/sin is
+    cheap next to the attention it feeds. Same ``cos_sin`` / ``apply`` interface as
+    ``RotaryEmbedding`` (full-width rotation)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0,
+                 rope_scaling: dict[str, Any] | None = None, max_position: int = 2048,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.head_dim = self.rotary_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        inv_freq, self.attention_scaling = compute_inv_freq(head_dim, base, rope_scaling,
+                                                            max_position)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> ([cos | cos], [-sin | sin]), each [T, 1, head_dim] in ``dtype``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        return (torch.cat([cos, cos], -1).to(dtype).unsqueeze(1),
+                torch.cat([-sin, sin], -1).to(dtype).unsqueeze(1))
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, num_heads, head_dim]; returns a new contiguous tensor."""
+        return kernel_ops.rotary_neox(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"

@@ -245,7 +245,7 @@ def _mask_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
 
     Works on the candidates sorted by logit: all V tokens, or only the largest ``max(top_k)``
-    when every row limits k (a full sort of a 49k vocabulary costs ~40x a top-50 ``topk``).
+    when every row limits k (a full sort of a 49k vocabulary costs far more than a top-50 ``topk``).
     A token tied exactly with a row's k-th logit may survive or not depending on that choice.
     """
     vocab_size = logits.shape[1]

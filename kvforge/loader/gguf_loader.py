@@ -1,10 +1,14 @@
 """Read a GGUF file (llama.cpp's format) as a Hugging Face config dict plus HF-named tensors.
 
-Three translations happen here, so that the rest of kvforge only ever sees HF vocabulary:
+Four translations happen here, so that the rest of kvforge only ever sees HF vocabulary:
   1. metadata keys  ``llama.attention.head_count`` -> ``num_attention_heads`` ...
   2. tensor names   ``blk.3.attn_q.weight``        -> ``model.layers.3.self_attn.q_proj.weight``
+     (per architecture where llama.cpp reuses a name: Gemma's ``ffn_norm`` is the norm before
+     the MLP, not the one after attention)
   3. tensor layout  ggml shape [ne0, ne1] is torch shape [ne1, ne0], and llama.cpp's convert
      script permuted the rows of q_proj / k_proj for its rotary layout; we permute them back.
+  4. tensor values  llama.cpp stores Gemma's norm weights as ``1 + w`` (its RMSNorm multiplies
+     by the weight); HF keeps ``w`` and scales by ``1 + w``, so we subtract the 1 again.
 
 The file is memory-mapped by ``gguf_file.GGUFFile`` (metadata decoded lazily); tensors are
 dequantized one at a time.
@@ -30,6 +34,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp's convert_hf_to_gguf permutes q/k rows only for these (they use its "normal" rope;
 # qwen2 uses the NEOX rope layout and is stored unpermuted).
@@ -47,6 +52,18 @@ _LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# architectures whose stems differ from (or add to) the table above
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's convert_hf_to_gguf adds 1 to every ``*norm.weight`` of these (Gemma's norm_shift)
+_NORM_SHIFTED_ARCHS = frozenset({"gemma3"})
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -110,7 +127,7 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError("GGUF has neither a vocab_size key nor a token list")
-        vocab = len(tokens.data)
+        vocab = len(tokens)          # the array length, not decoded
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_heads
 
     config: dict[str, Any] = {
@@ -144,6 +161,8 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         config["rope_scaling"] = scaling
     if key("attention.sliding_window") is not None:
         config["sliding_window"] = int(key("attention.sliding_window"))
+    if arch == "gemma3":
+        config.update(_gemma3_config(key, config))
     for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{gguf_key}")
@@ -152,16 +171,52 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _gemma3_config(key, config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 config.json holds beyond the common keys. llama.cpp writes the global
+    RoPE base and the window but hard-codes the rest; we use its values (= HF's defaults)."""
+    n_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    extras: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": 10000.0,
+        # llama.cpp: the 27B model (62 layers) scales queries by hidden / heads, others by
+        # head_dim (HF: query_pre_attn_scalar 168 and 256)
+        "query_pre_attn_scalar": (hidden // config["num_attention_heads"] if n_layers == 62
+                                  else config["head_dim"]),
+    }
+    pattern = key("attention.sliding_window_pattern")
+    if not config.get("sliding_window"):    # llama.cpp: no window, every layer global
+        extras["layer_types"] = ["full_attention"] * n_layers
+    elif isinstance(pattern, list):           # per layer, True = sliding window
+        extras["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern is not None:               # a period: the last layer of each is global
+        extras["sliding_window_pattern"] = int(pattern)
+    if key("final_logit_softcapping") is not None:
+        extras["final_logit_softcapping"] = float(key("final_logit_softcapping"))
+    if key("attn_logit_softcapping") is not None:
+        extras["attn_logit_softcapping"] = float(key("attn_logit_softcapping"))
+    return extras
+
+
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
     """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``; None if unknown
-    (e.g. llama.cpp's precomputed ``rope_freqs.weight``, which HF recomputes from the config)."""
+    (e.g. llama.cpp's precomputed ``rope_freqs.weight``, which HF recomputes from the config).
+    ``arch`` (the GGUF architecture) selects its own stems where llama.cpp's differ."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_NAME.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_TENSORS:
+    if m is None:
         return None
     layer, stem, kind = m.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[stem]}.{kind}"
+    module = _ARCH_LAYER_TENSORS.get(arch, {}).get(stem) or _LAYER_TENSORS.get(stem)
+    return None if module is None else f"model.layers.{layer}.{module}.{kind}"
+
+
+def to_hf_values(arch: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A dequantized tensor's values in HF's convention: Gemma's norm weights minus the 1 that
+    llama.cpp added (in fp32: a half-precision norm would round the shift)."""
+    if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
+        return tensor.float() - 1.0
+    return tensor
 
 
 def unpermute_qk_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -216,10 +271,10 @@ def iter_gguf_weights(reader: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     arch = gguf_architecture(reader)
     config = gguf_to_hf_config(reader)
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        tensor = tensor_to_torch(t)
+        tensor = to_hf_values(arch, name, tensor_to_torch(t))
         if arch in _PERMUTED_QK_ARCHS:
             if ".self_attn.q_proj." in name:
                 tensor = unpermute_qk_rows(tensor, config["num_attention_heads"])
@@ -236,11 +291,13 @@ def iter_raw_tensors(path: str | GGUFFile) -> Iterator[RawTensor]:
 
     For quantization work that wants the file's blocks as they are. Note q_proj/k_proj rows are
     still in llama.cpp's permuted order here (permuting quantized rows is a row gather, so a
-    consumer can apply ``unpermute_qk_rows`` to the (rows, bytes_per_row) array).
+    consumer can apply ``unpermute_qk_rows`` to the (rows, bytes_per_row) array), and Gemma's
+    norm weights still hold llama.cpp's ``1 + w`` (``to_hf_values`` converts them).
     """
     reader = path if isinstance(path, GGUFFile) else open_gguf(path)
+    arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         raw = np.asarray(t.data).view(np.uint8).reshape(-1)
@@ -268,5 +325,6 @@ def gguf_chat_template(reader: GGUFFile) -> str | None:
 
 
 __all__ = ["GGMLQuantizationType", "open_gguf", "gguf_to_hf_config", "hf_tensor_name",
-           "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights", "iter_raw_tensors", "raw_rows",
+           "to_hf_values", "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights",
+           "iter_raw_tensors", "raw_rows",
            "gguf_chat_template", "TESTED_TYPES"]

@@ -20,10 +20,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPT2LMHeadModel": ("kvforge.models.gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("kvforge.models.gpt_bigcode", "GPTBigCodeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kvforge.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "Gemma3ForCausalLM": ("kvforge.models.gemma3", "Gemma3ForCausalLM"),
     # GGUF general.architecture names
     "llama": ("kvforge.models.llama", "LlamaForCausalLM"),
     "mistral": ("kvforge.models.llama", "LlamaForCausalLM"),
     "qwen2": ("kvforge.models.llama", "LlamaForCausalLM"),
+    "gemma3": ("kvforge.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

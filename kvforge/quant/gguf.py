@@ -176,7 +176,7 @@ def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
     heads = {".self_attn.q_proj.": config["num_attention_heads"],
              ".self_attn.k_proj.": config["num_key_value_heads"]}
     for t in reader.tensors:
-        name = gguf_loader.hf_tensor_name(t.name)
+        name = gguf_loader.hf_tensor_name(t.name, arch)
         if name is None:
             continue
         as_blocks = name in _BLOCK_NAMES or name.endswith(_BLOCK_SUFFIXES)
@@ -186,7 +186,7 @@ def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
             shape = gguf_loader._torch_shape(t)
             weight = GGUFBlocks(gguf_loader.raw_rows(t), t.tensor_type.name, shape[1], t.name)
         else:
-            weight = gguf_loader.tensor_to_torch(t)
+            weight = gguf_loader.to_hf_values(arch, name, gguf_loader.tensor_to_torch(t))
         n_head = next((n for part, n in heads.items() if part in name), None)
         if permuted and n_head is not None:
             if as_blocks:    # whole rows gathered into RAM (a copy of these two tensors only)

@@ -1,8 +1,8 @@
 """Weight-only INT8 per output channel (``--quantization int8``, the WINT8 scheme).
 
 Storage per layer: ``qweight`` [N, K] int8 and ``scales`` [N] bf16, ``W ~= qweight * scales``.
-Forward: ``torch._weight_int8pack_mm`` on bf16 activations (the fp32-input path of that kernel is
-~20x slower on our CPUs); the matrix is never dequantized. Rows are independent, so each shard
+Forward: ``torch._weight_int8pack_mm`` on bf16 activations (the fp32-input path of that kernel is a
+scalar loop, many times slower); the matrix is never dequantized. Rows are independent, so each shard
 (q|k|v, gate|up) is quantized the moment it is loaded, straight into the final buffers.
 ``load_weight`` also accepts ``Int8Rows`` (codes already chosen: a reload of a saved model).
 """

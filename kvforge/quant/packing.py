@@ -17,8 +17,8 @@ INT4 group-wise, asymmetric (group of G input channels, one scale + zero per row
               [N, Kp / 2] uint8 layout whose interleave depends on N and K (not documented);
               ``unpack_int4_kernel`` inverts it by packing the digits of an index matrix.
 
-Both CPU kernels are only fast with bfloat16 activations (fp32 input takes a scalar path that
-is 20-40x slower on our AVX-512 EPYC), and then they require bfloat16 scales. So scales and
+Both CPU kernels are only fast with bfloat16 activations (fp32 input takes a scalar path, many
+times slower), and then they require bfloat16 scales. So scales and
 zeros are stored as bf16 and codes are chosen *after* rounding them, which keeps RTN optimal
 for the parameters that actually run. ``Kp`` is K padded up to a multiple of G (e.g. 576 with
 G = 128 -> 640): padded weight columns are never read because padded activations are zero.

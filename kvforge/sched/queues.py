@@ -91,8 +91,10 @@ class RequestQueue(ABC):
         """Reorder the running list in place (earlier = first share of the token budget)."""
 
     def on_step_scheduled(self, num_scheduled_tokens: Mapping[str, int],
-                          scheduled: Mapping[str, Request]) -> None:
-        """Called once per step with its final plan: tokens of work each request got."""
+                          scheduled: Mapping[str, Request],
+                          num_lookahead_tokens: Mapping[str, int] | None = None) -> None:
+        """Called once per step with its final plan: tokens of work each request got
+        (``num_lookahead_tokens``: of those, the multi-step decode slots after its last token)."""
 
     def forget(self, request: Request) -> None:
         """The request finished or was aborted: drop any state kept about it."""

@@ -209,7 +209,8 @@ class Scheduler:
         if len(plan.preempted_request_ids) == num_yielded:    # no KV-pressure preemption
             self._schedule_waiting(plan)
         self._fork_completed_prompts(plan)
-        self.waiting.on_step_scheduled(plan.num_scheduled_tokens, plan.requests)  # quanta
+        self.waiting.on_step_scheduled(plan.num_scheduled_tokens, plan.requests,   # quanta
+                                       plan.num_lookahead_tokens)
         if not plan.requests and not self.running and self.waiting:
             self._raise_if_never_fits(self.waiting.peek())
         if self.swapper is not None:      # proactive swap-in, overlapping this step's forward

@@ -43,8 +43,10 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         msg = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         param = None
     else:
+        # a validator's ValueError reads "Value error, <its message>": the message is enough
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
-                        f"{e.get('msg')} (got {e.get('input')!r:.80})" for e in errors[:3])
+                        f"{str(e.get('msg')).removeprefix('Value error, ')} "
+                        f"(got {e.get('input')!r:.80})" for e in errors[:3])
     return error_response(OpenAIError(400, msg, param=param, code="invalid_value"))
 
 

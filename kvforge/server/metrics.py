@@ -23,6 +23,7 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self._model = model_name
+        self._counted = (0, 0)          # prefix-cache (query, hit) tokens already in the counters
         self.requests = Counter("kvforge:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("kvforge:prompt_tokens", "Prompt tokens processed", labels,
@@ -43,8 +44,24 @@ class ServerMetrics:
                              registry=r)
         self.waiting = Gauge("kvforge:num_requests_waiting", "Sequences waiting", labels,
                              registry=r)
-        self.kv_usage = Gauge("kvforge:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
+        self.kv_usage = Gauge("kvforge:kv_cache_usage_perc",
+                              "Fraction of KV blocks referenced by running or swapped requests "
+                              "(0-1; blocks only the prefix cache holds are not counted)",
                               labels, registry=r)
+        # the prefix cache's own view (vLLM exports the same query/hit token counters)
+        self.prefix_blocks = Gauge("kvforge:prefix_cache_blocks",
+                                   "KV blocks the prefix cache holds", labels, registry=r)
+        self.prefix_evictable = Gauge("kvforge:prefix_cache_evictable_blocks",
+                                      "Prefix-cache blocks no request uses (reusable on demand)",
+                                      labels, registry=r)
+        self.prefix_hit_rate = Gauge("kvforge:prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / prompt tokens "
+                                     "queried, since start", labels, registry=r)
+        self.prefix_queries = Counter("kvforge:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", labels,
+                                      registry=r)
+        self.prefix_hits = Counter("kvforge:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache", labels, registry=r)
         self.preemptions = Gauge("kvforge:num_preemptions_total", "Preemptions since start",
                                  labels, registry=r)
         self.rejected = Counter("kvforge:request_rejected", "Requests refused (queue full)",
@@ -56,6 +73,13 @@ class ServerMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
         self.preemptions.labels(m).set(stats.num_preemptions_total)
+        self.prefix_blocks.labels(m).set(stats.prefix_cache_blocks)
+        self.prefix_evictable.labels(m).set(stats.prefix_cache_evictable_blocks)
+        self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
+        queried, hit = self._counted
+        self.prefix_queries.labels(m).inc(stats.prefix_cache_query_tokens - queried)
+        self.prefix_hits.labels(m).inc(stats.prefix_cache_hit_tokens - hit)
+        self._counted = (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens)
 
     def on_request_done(self, *, finish_reasons: list[str | None], prompt_tokens: int,
                         output_tokens: int, arrival: float, first_token: float | None,

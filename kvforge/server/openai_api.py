@@ -6,8 +6,10 @@
 
 One HTTP request becomes one engine request per prompt (each with the request's n samples).
 Choice index = prompt_index * n + sample_index, as in the OpenAI API. Everything the client can
-get wrong is a 4xx with the OpenAI error body (errors.py); the engine is never left holding a
-request nobody reads: a stream that ends early (client gone) aborts its engine request.
+get wrong is a 4xx with the OpenAI error body (errors.py), including prompt + max_tokens beyond
+the context (limits.py). The engine is never left holding a request nobody reads: however a
+handler or a stream ends (finished, error, client gone: disconnect.py), its job aborts whatever
+of its engine requests has not finished.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -26,7 +28,10 @@ from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.engine.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.server import responses
-from kvforge.server.errors import OpenAIError, error_response, install_error_handlers
+from kvforge.server.auth import APIKeyMiddleware
+from kvforge.server.disconnect import cancel_on_disconnect
+from kvforge.server.errors import OpenAIError, install_error_handlers
+from kvforge.server.limits import output_budget
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
@@ -68,6 +73,14 @@ class OpenAIServing:
                                    f"{self.config.served_model_name!r}", param="model",
                               code="model_not_found")
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Ids the client gave must be in the vocabulary before anything decodes them."""
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                              param=param, code="invalid_value")
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
@@ -85,8 +98,9 @@ class OpenAIServing:
             raise OpenAIError(400, str(e), code="invalid_value") from e
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                    priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
-        """Admit and queue one engine request per prompt; all or nothing."""
+                    priority: int = 0) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+        """Admit and queue one engine request per prompt; all or nothing (also when cancelled
+        half-way: the client left). Returns the engine request ids and their streams."""
         if self.num_unstarted + len(prompts) > self.config.max_waiting_requests:
             self.metrics.on_rejected()
             raise OpenAIError(429, f"the server is busy: {self.num_unstarted} requests are "
@@ -97,19 +111,22 @@ class OpenAIServing:
         streams, ids = [], []
         try:
             for i, ids_ in enumerate(prompts):
-                rid = f"{base}-{i}"
-                streams.append(await self.engine.add_request(rid, ids_, params,
+                # listed before the add: an add cancelled while the engine thread runs it may
+                # still happen, and the abort queued behind it undoes it
+                ids.append(f"{base}-{i}")
+                streams.append(await self.engine.add_request(ids[-1], ids_, params,
                                                              arrival_time=arrival,
                                                              priority=priority))
-                ids.append(rid)
-        except ValueError as e:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise OpenAIError(400, str(e), param="prompt" if "prompt" in str(e) else None,
-                              code="invalid_value") from e
         except EngineDeadError as e:
             raise OpenAIError(503, str(e)) from e
-        return streams
+        except BaseException as e:
+            for rid in ids:
+                self.engine.abort(rid)
+            if isinstance(e, ValueError):
+                raise OpenAIError(400, str(e), param="prompt" if "prompt" in str(e) else None,
+                                  code="invalid_value") from e
+            raise
+        return ids, streams
 
     async def merge(self, streams: list[AsyncIterator[RequestOutput]], n_params: SamplingParams,
                     prompt_lens: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -175,14 +192,17 @@ class OpenAIServing:
                           for p in raw_prompts]
         except ValueError as e:
             raise OpenAIError(400, str(e), param="prompt", code="invalid_value") from e
-        params = self._params(body, body.max_tokens, body.logprobs)
+        for ids in prompt_ids:
+            self.check_token_ids(ids, "prompt")
+        # absent: the API's default of 16, or fewer if the context is nearly full
+        requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        max_tokens = output_budget(self.max_model_len, [len(p) for p in prompt_ids], requested,
+                                   default=16, param="max_tokens", prompt_param="prompt")
+        params = self._params(body, max_tokens, body.logprobs)
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
                       for p in raw_prompts]
-        streams = await self.start(prompt_ids, params, "cmpl", body.priority)
         job = _Job(self, "cmpl", body, params, prompt_ids, echo_texts)
-        if body.stream:
-            return _sse(job.stream_completion(streams))
-        return JSONResponse(await job.full_completion(streams))
+        return await job.respond(job.stream_completion, job.full_completion)
 
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
@@ -192,21 +212,33 @@ class OpenAIServing:
             logprobs = body.num_logprobs()
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
-        params = self._params(body, body.max_completion_tokens or body.max_tokens, logprobs)
-        streams = await self.start([ids], params, "chatcmpl", body.priority)
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_tokens = output_budget(self.max_model_len, [len(ids)],
+                                   body.max_completion_tokens or body.max_tokens, default=None,
+                                   param=param, prompt_param="messages")
+        params = self._params(body, max_tokens, logprobs)
         job = _Job(self, "chatcmpl", body, params, [ids], [""])
-        if body.stream:
-            return _sse(job.stream_chat(streams))
-        return JSONResponse(await job.full_chat(streams))
+        return await job.respond(job.stream_chat, job.full_chat)
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _SSEResponse(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends, even if the client left
+    before the first event (when the event generator never started and so never cleans up)."""
+
+    def __init__(self, events: AsyncIterator[dict], on_close) -> None:
+        async def body():
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        super().__init__(body(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class _Job:
@@ -220,16 +252,42 @@ class _Job:
         self.prompt_ids = prompt_ids
         self.echo_texts = echo_texts
         self.n = params.n
+        self.prefix = prefix
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = serving.config.served_model_name
         self.num_prompt_tokens = sum(len(p) for p in prompt_ids)
+        self.request_ids: list[str] = []                # engine requests, one per prompt
+        self.finished = [False] * len(prompt_ids)
         self.completion_tokens: dict[int, int] = {}     # choice index -> tokens so far
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
 
-    def _merge(self, streams):
-        return self.s.merge(streams, self.params, [len(p) for p in self.prompt_ids])
+    async def respond(self, stream_events, full_response):
+        """Start the engine requests; the SSE response or the whole one (as JSON). Whatever
+        ends it, ``close`` aborts the engine requests not finished."""
+        self.request_ids, streams = await self.s.start(self.prompt_ids, self.params, self.prefix,
+                                                       self.body.priority)
+        if self.body.stream:
+            return _SSEResponse(stream_events(streams), on_close=self.close)
+        try:
+            return JSONResponse(await full_response(streams))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for rid, finished in zip(self.request_ids, self.finished):
+            if not finished:
+                self.s.engine.abort(rid)
+
+    async def _merge(self, streams):
+        # aclosing: however this generator ends, the merge's pump tasks end with it
+        async with aclosing(self.s.merge(streams, self.params,
+                                         [len(p) for p in self.prompt_ids])) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    self.finished[i] = True
+                yield i, out
 
     def _usage(self) -> dict:
         return responses.usage(self.num_prompt_tokens, sum(self.completion_tokens.values()))
@@ -343,15 +401,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
     app.state.serving = serving
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if config.api_key and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {config.api_key}":
-                return error_response(OpenAIError(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key"))
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, open_paths=_OPEN_PATHS)
 
     @app.get("/health")
     async def health():
@@ -370,12 +421,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
             "owned_by": "kvforge", "max_model_len": serving.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await serving.completions(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await cancel_on_disconnect(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        return await serving.chat(body)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await cancel_on_disconnect(request, serving.chat(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -397,11 +448,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                              param="tokens", code="invalid_value")
+        serving.check_token_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app

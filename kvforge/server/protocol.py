@@ -7,20 +7,56 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvforge.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 
 
+def lone_surrogate_path(value) -> str | None:
+    """Where in a decoded JSON value (``body.messages.0.content``) a string holds a lone UTF-16
+    surrogate: JSON allows the escape ``"\\udcff"``, but such a string is not Unicode text and
+    no tokenizer or UTF-8 encoder takes it. None when there is none. Iterative: nesting depth
+    is the client's to choose."""
+    stack = [("body", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((f"{path}.{key}", child))
+                stack.append((path, key))    # a key is text too; checked first, so a bad key
+                #                              never ends up in a path
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}", child) for i, child in enumerate(item))
+    return None
+
+
+class _RequestBody(BaseModel):
+    """A request body: unknown fields ignored, no text that is not Unicode anywhere in it."""
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text_only(cls, data):
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise ValueError(f"{path} is not valid Unicode text: it holds a lone surrogate "
+                             f"(a \\uD800-\\uDFFF escape without its pair)")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -31,7 +67,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)     # what torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -97,12 +133,11 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    # required for every role: without tool calls (not supported) a message is its content
+    content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -129,8 +164,7 @@ class ChatCompletionRequest(_SamplingFields):
                 for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -138,7 +172,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int]

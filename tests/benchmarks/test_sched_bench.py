@@ -5,12 +5,13 @@ import argparse
 
 import pytest
 
-from benchmarks.sched import JobResult, make_jobs, summarize
+from benchmarks.sched import JobResult, make_jobs, set_poisson_arrivals, summarize
 
 
 def _args(**kw):
     base = dict(seed=0, num_requests=200, min_prompt=4, max_prompt=24, pareto_alpha=1.1,
-                pareto_scale=6.0, max_output=400, long_fraction=0.05)
+                pareto_scale=6.0, max_output=400, long_fraction=0.05, workload="pareto",
+                num_long=8, long_output=160, num_short=32, short_output=8, load=1.5)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -23,6 +24,19 @@ def test_workload_is_seeded_heavy_tailed_and_bounded():
     assert all(4 <= len(j.prompt_token_ids) <= 24 for j in jobs)
     assert lengths[len(lengths) // 2] < 20                 # most jobs are short
     assert sum(n >= 200 for n in lengths) >= 3             # a few very long ones
+
+
+def test_head_of_line_workload_queues_the_long_jobs_first_all_at_once():
+    args = _args(workload="head-of-line")
+    jobs = make_jobs(args, vocab_size=1000)
+    assert [j.output_len for j in jobs] == [160] * 8 + [8] * 32
+    assert all(4 <= len(j.prompt_token_ids) <= 24 for j in jobs)
+    set_poisson_arrivals(args, jobs, capacity_jobs_per_s=1.0)
+    assert all(j.arrival == 0.0 for j in jobs)
+    pareto = make_jobs(_args(), vocab_size=1000)
+    set_poisson_arrivals(_args(), pareto, capacity_jobs_per_s=1.0)
+    arrivals = [j.arrival for j in pareto]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
 
 
 def test_summary_means_percentiles_and_throughput():

@@ -68,3 +68,33 @@ def test_closing_a_stream_aborts_and_shutdown_ends_streams(aengine):
         with pytest.raises(EngineDeadError):
             await aengine.add_request("c", [3], SamplingParams())
     asyncio.run(main())
+
+
+def test_stats_show_an_abort_at_once_even_with_no_step_after_it(tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    seen = []
+    e = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, block_size=4, num_kv_blocks=128,
+                                              max_num_batched_tokens=32, num_threads=1)),
+                       step_callback=lambda s: seen.append((s.num_running, s.kv_cache_usage)))
+
+    async def main():
+        prompt = list(range(100, 140))                   # 10 full blocks for the prefix cache
+        stream = await e.add_request("a", prompt, SamplingParams(max_tokens=300, ignore_eos=True))
+        for _ in range(3):
+            await stream.__anext__()
+        assert e.stats.num_running == 1 and e.stats.kv_cache_usage > 0
+        await stream.aclose()                            # the only request goes: no more steps
+        for _ in range(200):
+            if e.stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return e.stats
+    try:
+        stats = asyncio.run(main())
+        # what the last snapshot (and so /metrics) shows: idle, nothing in use, cache warm
+        assert (stats.num_running, stats.kv_cache_usage) == (0, 0.0) == seen[-1]
+        assert stats.prefix_cache_blocks >= 10 and stats.prefix_cache_evictable_blocks >= 10
+        assert stats.num_free_blocks == 128
+        assert asyncio.run(e.call(lambda eng: eng.kv_cache_usage)) == 0.0
+    finally:
+        e.shutdown()

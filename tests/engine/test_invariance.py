@@ -17,14 +17,35 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 33, 18, 1, 47, 9)]
 
 
-def _run(path, **engine_kwargs):
+def _run(path, prompt_chunks=None, **engine_kwargs):
+    """Greedy tokens per prompt. ``prompt_chunks``, if given, collects per prompt the sizes of
+    the pieces its prompt was scheduled in (from the scheduler's own output)."""
     engine_kwargs.setdefault("num_kv_blocks", NUM_BLOCKS)
     llm = LLM(path, block_size=BLOCK, **engine_kwargs)
+    if prompt_chunks is not None:
+        _record_prompt_chunks(llm.engine.scheduler, prompt_chunks)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     llm.engine.check_integrity()
     assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks, "leaked KV blocks"
     return [o.outputs[0].token_ids for o in outs], outs
+
+
+def _record_prompt_chunks(scheduler, chunks: dict[tuple, list[int]]) -> None:
+    """Wrap ``scheduler.schedule``: for each request still computing its prompt, note how many
+    prompt tokens the step schedules (keyed by the prompt)."""
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        for req in out.scheduled:
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            if prompt_left > 0:
+                n = min(prompt_left, out.num_query_tokens(req.request_id))
+                chunks.setdefault(tuple(req.prompt_token_ids), []).append(n)
+        return out
+
+    scheduler.schedule = recording_schedule
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +57,29 @@ def tiny(tiny_model_factory):
 
 
 def test_chunked_prefill_off_equals_on(tiny):
-    path, baseline = tiny
-    tokens, _ = _run(path, enable_chunked_prefill=False)
-    assert tokens == baseline
+    path, _ = tiny
+    # below two of the prompts (33, 47 tokens); chunks of up to 16 tokens run in the compiled
+    # decode stack (kernels/decode_stack.py), longer ones in the Python layers: both are used
+    budget = 24
+    whole, chunked = {}, {}
+    tokens_off, _ = _run(path, prompt_chunks=whole, enable_chunked_prefill=False,
+                         max_num_batched_tokens=budget)
+    tokens_on, _ = _run(path, prompt_chunks=chunked, enable_chunked_prefill=True,
+                        max_num_batched_tokens=budget)
+    prompts = [tuple(p) for p in _prompts()]
+    # off: every prompt in one piece (the engine raises the budget to the context)
+    assert all(whole[p] == [len(p)] for p in prompts), whole
+    # on: each prompt's chunks add up to it, none exceeds the budget, long ones are split
+    assert all(sum(chunked[p]) == len(p) and max(chunked[p]) <= budget for p in prompts), chunked
+    assert all(len(chunked[p]) > 1 for p in prompts if len(p) > budget), chunked
+    assert tokens_on == tokens_off
 
 
 def test_tiny_token_budget_forces_chunks(tiny):
     path, baseline = tiny
-    tokens, _ = _run(path, max_num_batched_tokens=7, max_num_seqs=3)
+    chunks = {}
+    tokens, _ = _run(path, prompt_chunks=chunks, max_num_batched_tokens=7, max_num_seqs=3)
+    assert all(len(chunks[tuple(p)]) >= -(-len(p) // 7) for p in _prompts()), chunks
     assert tokens == baseline
 
 

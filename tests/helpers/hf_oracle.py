@@ -1,6 +1,7 @@
 """HF transformers as the correctness oracle: tiny random models and greedy references."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -84,3 +85,18 @@ def check_greedy_close(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs, name=
             f"ours {ours_logprobs[i]}, HF {hf_logprobs[i]}")
         return i
     return len(ours_tokens)
+
+
+@torch.inference_mode()
+def hf_perplexity(model, token_ids: list[int], window: int) -> tuple[float, int]:
+    """(exp(mean NLL), tokens scored) over non-overlapping windows, each scored from its own
+    start: the quantity kvforge.eval.perplexity defines, computed by the HF model."""
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        ids = torch.tensor([token_ids[start:start + window]])
+        if ids.shape[1] < 2:
+            continue
+        logits = model(ids).logits[0, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return math.exp(total / count), count

@@ -123,3 +123,46 @@ def test_check_integrity_catches_cycle():
     pool.blocks[2].next_free = pool.blocks[0]           # forward walk would loop forever
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_usage_counts_request_references_not_the_prefix_caches():
+    pool = BlockPool(4)
+    pool.allocate(3)                                    # a request's blocks 0 1 2
+    pool.incref([0, 1], by_cache=True)                  # 0 and 1 also cached
+    assert pool.usage == pytest.approx(0.75) and pool.num_cached_blocks == 2
+    pool.incref([1])                                    # a second request shares block 1
+    pool.free([0, 1, 2])                                # the first request ends
+    # 0: cache only (not used, not free); 1: cache + request; 2: free
+    assert pool.num_used_blocks == 1 and pool.usage == pytest.approx(0.25)
+    assert pool.free_block_ids() == [3, 2]
+    pool.free([1])
+    assert pool.usage == 0.0 and pool.num_free_blocks == 2      # idle, cache still warm
+    pool.incref([0])                                    # a cache hit revives a request ref
+    assert pool.num_used_blocks == 1
+    pool.free([0])
+    pool.free([0, 1], by_cache=True)                    # evicted
+    assert pool.usage == 0.0 and pool.num_free_blocks == 4 and pool.num_cached_blocks == 0
+    pool.check_integrity()
+
+
+def test_cache_and_request_references_cannot_stand_in_for_each_other():
+    pool = BlockPool(3)
+    pool.allocate(1)
+    pool.incref([0], by_cache=True)
+    with pytest.raises(RuntimeError, match="already cached"):
+        pool.incref([0], by_cache=True)
+    pool.free([0])
+    with pytest.raises(RuntimeError, match="double free of block 0"):
+        pool.free([0])                                  # only the cache's reference is left
+    pool.free([0], by_cache=True)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        pool.free([0], by_cache=True)
+    pool.check_integrity()
+
+
+def test_check_integrity_catches_wrong_used_count():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    pool.num_used_blocks = 1
+    with pytest.raises(AssertionError, match="num_used_blocks"):
+        pool.check_integrity()

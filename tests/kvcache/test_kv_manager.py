@@ -140,3 +140,22 @@ def test_check_integrity_catches_ref_mismatch():
     with pytest.raises(AssertionError, match="block 0"):
         kv.check_integrity()
     kv.check_integrity(extra_refs={0: 1})                 # e.g. held by a prefix cache
+
+
+def test_usage_is_zero_when_only_the_prefix_cache_holds_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    a = make_request("a", 10)
+    kv.allocate_slots(a, 10)                              # 3 blocks, 2 of them full
+    a.num_computed_tokens = 10
+    kv.cache_computed_blocks(a)
+    assert kv.usage == pytest.approx(3 / 8)
+    b = make_request("b", 9)                              # same first 8 tokens
+    kv.allocate_slots(b, 9 - 8, kv.match_prefix(b))        # shares the 2 cached blocks
+    assert kv.usage == pytest.approx(4 / 8)
+    kv.free("a")
+    assert kv.usage == pytest.approx(3 / 8)               # b's own block + the 2 it shares
+    kv.free("b")
+    stats = kv.prefix_cache_stats
+    assert kv.usage == 0.0 and stats.cached_blocks == 2 and stats.evictable_blocks == 2
+    assert kv.num_free_blocks == 8                        # the cached ones count as capacity
+    kv.check_integrity()

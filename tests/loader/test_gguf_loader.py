@@ -185,3 +185,76 @@ def test_iter_raw_tensors_reports_types_and_bytes(tmp_path):
     assert data.size == 96 * 2 * 34            # two 34-byte Q8_0 blocks per row
     kind, shape, data = raw["model.norm.weight"]
     assert (kind, shape, data.size) == ("F32", (TINY["hidden"],), TINY["hidden"] * 4)
+
+
+# ------------------------------------------------------------------------------ gemma3
+def test_hf_tensor_name_depends_on_architecture():
+    from kvforge.loader.gguf_loader import hf_tensor_name
+    # llama.cpp's ffn_norm is the norm after attention for Llama, before the MLP for Gemma
+    assert hf_tensor_name("blk.2.ffn_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    assert (hf_tensor_name("blk.2.ffn_norm.weight", "gemma3")
+            == "model.layers.2.pre_feedforward_layernorm.weight")
+    assert (hf_tensor_name("blk.0.post_attention_norm.weight", "gemma3")
+            == "model.layers.0.post_attention_layernorm.weight")
+    assert hf_tensor_name("blk.0.attn_k_norm.weight", "gemma3") == "model.layers.0.self_attn.k_norm.weight"
+    assert hf_tensor_name("blk.0.post_ffw_norm.weight") is None
+    assert hf_tensor_name("blk.0.attn_q.weight", "gemma3") == "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory):
+    from tests.models.test_gemma3 import gguf_shaped_hf
+    from tests.loader.gguf_factory import write_hf_model_gguf
+    hf = gguf_shaped_hf(sliding_window=16)
+    path = str(tmp_path_factory.mktemp("gemma3_loader") / "g.gguf")
+    write_hf_model_gguf(path, hf, "gemma3")
+    return hf, path
+
+
+def test_gemma3_weights_come_back_in_hf_names_and_values(gemma_gguf):
+    """Every tensor maps to its HF name; norms are llama.cpp's 1 + w minus the 1 again."""
+    hf, path = gemma_gguf
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}   # tied
+    loaded = load_state(path)
+    assert set(loaded) == set(state)
+    for name, t in state.items():
+        tol = 1e-6 if name.endswith("norm.weight") else 0.0
+        torch.testing.assert_close(loaded[name], t, rtol=0, atol=tol, msg=name)
+    assert state["model.layers.3.pre_feedforward_layernorm.weight"].abs().max() > 0.1
+
+
+def test_gemma3_config_from_metadata(gemma_gguf):
+    hf, path = gemma_gguf
+    c = load_model_source(path).config
+    assert c.architecture == "Gemma3ForCausalLM" and c.hf_config["model_type"] == "gemma3_text"
+    assert (c.head_dim, c.sliding_window, c.rope_theta) == (256, 16, 1e6)
+    assert c.tie_word_embeddings                         # no output.weight
+    hf_extras = {k: c.hf_config[k] for k in ("hidden_activation", "rope_local_base_freq",
+                                             "query_pre_attn_scalar")}
+    assert hf_extras == {"hidden_activation": "gelu_pytorch_tanh",
+                         "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256}
+    assert "layer_types" not in c.hf_config           # llama.cpp's fixed 5:1 pattern applies
+
+
+def test_gemma3_sliding_window_pattern_key(tmp_path):
+    from tests.models.test_gemma3 import gguf_shaped_hf
+    from tests.loader.gguf_factory import write_hf_model_gguf
+    from kvforge.models.gemma3 import Gemma3Options
+    hf = gguf_shaped_hf(num_hidden_layers=3)
+    path = str(tmp_path / "pattern.gguf")
+    # newer converters write the per-layer pattern (True = sliding window)
+    write_hf_model_gguf(path, hf, "gemma3", extra=lambda w: w.add_sliding_window_pattern(
+        [True, False, True]))
+    opts = Gemma3Options.from_config(load_model_source(path).config)
+    assert opts.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+
+
+def test_gemma3_without_window_key_is_all_global(tmp_path):
+    from kvforge.models.gemma3 import Gemma3Options
+    from tests.loader.gguf_factory import write_hf_model_gguf
+    from tests.models.test_gemma3 import gguf_shaped_hf
+    path = str(tmp_path / "global.gguf")
+    # as llama.cpp reads a gemma3 file without attention.sliding_window
+    write_hf_model_gguf(path, gguf_shaped_hf(num_hidden_layers=2, sliding_window=None), "gemma3")
+    opts = Gemma3Options.from_config(load_model_source(path).config)
+    assert opts.layer_types == ("full_attention",) * 2

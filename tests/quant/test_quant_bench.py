@@ -1,5 +1,14 @@
-"""benchmarks/quant.py method specs: group sizes and extra quantization arguments."""
-from benchmarks.quant import BUILTIN, parse_method
+"""benchmarks/quant.py: method specs parse to labels and arguments, and a short run prints a
+table whose fp32 perplexity is HF transformers' over the same tokens, with int8 rows of fewer
+weight bytes and nearly the same perplexity."""
+import math
+
+import pytest
+
+from benchmarks.quant import main, parse_method
+from tests.helpers.hf_oracle import hf_perplexity
+
+PPL_TOKENS = 128
 
 
 def test_method_specs_parse_to_labels_and_arguments():
@@ -11,6 +20,39 @@ def test_method_specs_parse_to_labels_and_arguments():
                                                      {"alpha": 0.6})
 
 
-def test_default_rows_compare_awq_and_rtn_at_every_group_size():
-    for group in (32, 64, 128):
-        assert f"int4:g{group}" in BUILTIN and f"awq:g{group}" in BUILTIN
+def _table_rows(stdout: str) -> dict[str, list[str]]:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("method "))
+    rows = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("SUMMARY"):
+            cells = [c.strip() for c in line.split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.slow
+def test_short_run_reports_rows_that_agree_with_hf(capsys, hf_smollm):
+    from kvforge.eval.corpus import load_corpus
+    from kvforge.loader.source import load_model_source
+    rc = main(["--methods", "none,int8,int3", "--ppl-tokens", str(PPL_TOKENS),
+               "--decode-tokens", "2", "--batch", "2", "--rounds", "1", "--num-threads", "2"])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "int3: skipped (ValueError: unknown quantization 'int3'" in out.err
+    rows = _table_rows(out.out)
+    assert set(rows) == {"fp32", "int8"}
+    # columns: method, weights MiB, load s, ppl, ppl vs fp32, b1 tok/s, b1 x, b2 tok/s, b2 x
+    fp32, int8 = rows["fp32"], rows["int8"]
+    assert float(int8[1]) < 0.6 * float(fp32[1])
+
+    ids = load_model_source(None).load_tokenizer().encode(load_corpus("shakespeare"),
+                                                          add_special_tokens=False)
+    hf_ppl, scored = hf_perplexity(hf_smollm, ids[:PPL_TOKENS], window=512)
+    assert scored == PPL_TOKENS - 1
+    assert math.isclose(float(fp32[3]), hf_ppl, rel_tol=2e-3), (fp32[3], hf_ppl)
+    # int8 weights move a 135M model's perplexity by well under 5%
+    assert abs(float(int8[3]) / float(fp32[3]) - 1) < 0.05, (int8[3], fp32[3])
+    assert fp32[4] == "+0.00%" and fp32[6] == "1.00x"
+    assert float(fp32[5]) > 0 and float(int8[7]) > 0
+    assert "SUMMARY quant: fp32:b1=1.00x" in out.out

@@ -11,7 +11,8 @@ from kvforge.sched.queues import available_policies, create_request_queue
 from kvforge.sched.scheduler import Scheduler
 
 # quanta 4, 8, 16, unbounded
-CFG = MLFQConfig(num_levels=4, base_quantum=4, quantum_growth=2, starvation_steps=3)
+CFG = MLFQConfig(num_levels=4, base_quantum=4, quantum_growth=2, starvation_steps=3,
+                 prefill_weight=1.0)
 
 
 def make_request(request_id, prompt_len=2, priority=0, max_tokens=64):
@@ -37,7 +38,7 @@ def test_registered_and_config_validated():
     with pytest.raises(ValueError, match="num_levels"):
         MLFQConfig(num_levels=0)
     assert [CFG.quantum(lv) for lv in range(4)] == [4, 8, 16, float("inf")]
-    assert MLFQConfig().quanta == (64, 256, 1024) and MLFQConfig().num_levels == 4
+    assert MLFQConfig().quanta == (8, 32, 128, 512) and MLFQConfig().num_levels == 5
     explicit = MLFQConfig(quanta=[5, 40])
     assert (explicit.num_levels, explicit.quanta, explicit.base_quantum) == (3, (5, 40), 5)
     assert [explicit.quantum(lv) for lv in range(3)] == [5, 40, float("inf")]
@@ -169,6 +170,39 @@ def test_kv_victim_is_the_lowest_ranked_running():
     assert q.requests_to_yield(running, 0) == []          # nobody waits
     q.add(make_request("new", prompt_len=1))
     assert ids(q.requests_to_yield(running, 0)) == ["d"]
+
+
+def test_a_request_near_its_max_tokens_is_not_asked_to_yield():
+    q = MLFQRequestQueue(CFG)                     # level 0's quantum: 4
+    ending, long_ = make_request("ending", max_tokens=6), make_request("long", max_tokens=60)
+    for r in (ending, long_):
+        q.add(r)
+    running = [q.pop(), q.pop()]
+    for r in running:
+        r.num_computed_tokens = r.num_tokens
+        charge(q, r, 4)                           # both used up level 0
+    assert q.level_of(ending) == q.level_of(long_) == 1
+    ending.append_output_token(5)                 # 1 of 6 out: 5 decodes left > 4
+    q.add(make_request("new"))
+    assert ids(q.requests_to_yield(running, 0)) == ["long"]        # the lowest ranked first
+    q.add(make_request("new2"))
+    assert ids(q.requests_to_yield(running, 0)) == ["long", "ending"]
+    ending.append_output_token(5)                 # 2 of 6: 4 left, within level 0's quantum
+    assert ids(q.requests_to_yield(running, 0)) == ["long"]
+
+
+def test_multi_step_decode_is_charged_one_step_per_token():
+    q = MLFQRequestQueue(MLFQConfig(quanta=[8, 64], prefill_weight=0.1))
+    r = make_request("r", prompt_len=3)
+    q.add(r)
+    q.pop()
+    r.num_computed_tokens = 3
+    r.append_output_token(5)                      # decoding: 1 token left to compute
+    # a 4-step call: 1 + 3 lookahead slots, 4 tokens sampled -> 4 decode steps of work
+    q.on_step_scheduled({"r": 4}, {"r": r}, {"r": 3})
+    assert q._ranks["r"].work_in_level == 4
+    q.on_step_scheduled({"r": 4}, {"r": r}, {"r": 3})
+    assert q.level_of(r) == 1                     # 8 decodes use up the quantum of 8
 
 
 # ---- through the scheduler ---------------------------------------------------------------

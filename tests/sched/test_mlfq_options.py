@@ -12,7 +12,7 @@ def test_defaults_are_the_documented_ones():
     cfg = EngineConfig()
     assert cfg.mlfq == MLFQConfig()
     assert (cfg.mlfq.quanta, cfg.mlfq.starvation_steps, cfg.mlfq.prefill_weight) == (
-        (64, 256, 1024), 256, 1.0)
+        (8, 32, 128, 512), 256, 0.1)
     assert (cfg.swap_copy_mode, cfg.swap_prefetch) == ("auto", True)
     assert engine_config_from_flags([]).mlfq == cfg.mlfq
 

@@ -1,0 +1,243 @@
+"""Gemma 3 vs HF transformers (the oracle) on tiny random models built offline."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformers as tf
+from kvforge.attention.windowed import WindowedAttentionBackend
+from kvforge.models.config import ModelConfig
+from kvforge.models.gemma3 import Gemma3ForCausalLM, Gemma3Options
+from kvforge.models.registry import get_model_class
+from tests.models.test_llama import alloc_caches, hf_logits, run_step
+
+S, F = "sliding_attention", "full_attention"
+# head_dim (32) != hidden / heads (16) and query_pre_attn_scalar (24) != head_dim, so a
+# wrong head size or attention scale shows; a window of 8 matters from the 9th token on
+TINY_GEMMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                  max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=24,
+                  layer_types=[S, S, F, S], initializer_range=0.1)
+
+CASES = {
+    "base": {},
+    "softcap": {"final_logit_softcapping": 3.0},
+    "untied": {"tie_word_embeddings": False},
+    "mha_linear_global_rope": {"num_key_value_heads": 4, "rope_parameters": {
+        F: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        S: {"rope_type": "default", "rope_theta": 1e4}}},
+}
+
+
+def make_hf(seed: int = 0, **overrides) -> tf.Gemma3ForCausalLM:
+    torch.manual_seed(seed)
+    hf = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**TINY_GEMMA, **overrides})).eval()
+    with torch.no_grad():
+        # HF starts every norm at 0 (scale 1 + 0): make them matter
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+    return hf
+
+
+def make_pair(seed: int = 0, **overrides):
+    hf = make_hf(seed, **overrides)
+    d = hf.config.to_dict()
+    d["architectures"] = ["Gemma3ForCausalLM"]
+    ours = Gemma3ForCausalLM(ModelConfig.from_hf_dict(d))
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_logits_match_hf(case):
+    hf, ours = make_pair(**CASES[case])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 40)]
+    logits = run_step(ours, alloc_caches(ours), prompts, [0, 0], [0, 1])
+    assert logits.shape == (45, 256)
+    torch.testing.assert_close(logits[:5], hf_logits(hf, prompts[0]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[5:], hf_logits(hf, prompts[1]), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_decodes_past_the_window_match_hf():
+    """Seq 0 prefills in chunks of 6 and 5 then decodes to position 20 (the window of 8 slides
+    over cached blocks); seq 1 prefills beside its decodes. Every step equals HF."""
+    hf, ours = make_pair()
+    caches = alloc_caches(ours)
+    g = torch.Generator().manual_seed(2)
+    seq0 = torch.randint(0, 256, (21,), generator=g).tolist()
+    seq1 = torch.randint(0, 256, (12,), generator=g).tolist()
+    ref0, ref1 = hf_logits(hf, seq0), hf_logits(hf, seq1)
+    torch.testing.assert_close(run_step(ours, caches, [seq0[:6]], [0], [0]), ref0[:6],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(run_step(ours, caches, [seq0[6:11]], [6], [0]), ref0[6:11],
+                               atol=1e-4, rtol=1e-4)
+    out = run_step(ours, caches, [[seq0[11]], seq1], [11, 0], [0, 1])       # decode + prefill
+    torch.testing.assert_close(out[0], ref0[11], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1:], ref1, atol=1e-4, rtol=1e-4)
+    for pos in range(12, 21):
+        out = run_step(ours, caches, [[seq0[pos]]], [pos], [0])
+        torch.testing.assert_close(out[0], ref0[pos], atol=1e-4, rtol=1e-4)
+
+
+def test_layers_get_their_window_and_rope_base():
+    _, ours = make_pair()
+    attns = [layer.self_attn.attn for layer in ours.model.layers]
+    assert [type(a) is WindowedAttentionBackend for a in attns] == [True, True, False, True]
+    assert attns[0].window.window == 8 and attns[0].window.sinks == 0
+    assert ours.model.rotary_local.base == 1e4 and ours.model.rotary_global.base == 1e6
+    assert attns[2].scale == pytest.approx(24 ** -0.5)
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+
+
+def test_options_from_transformers4_config_keys():
+    """config.json as transformers 4.x wrote it (gemma-3-270m): rope_theta and
+    rope_local_base_freq at the top level, the pattern as an int, no tie flag (tied)."""
+    d = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=256,
+             hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=32, sliding_window=16, rope_theta=1e6,
+             rope_local_base_freq=1e4, sliding_window_pattern=6, query_pre_attn_scalar=32,
+             hidden_activation="gelu_pytorch_tanh", rope_scaling=None)
+    opts = Gemma3Options.from_config(ModelConfig.from_hf_dict(d))
+    assert opts.layer_types == (S,) * 5 + (F, S)
+    assert (opts.local_rope_base, opts.global_rope_base) == (1e4, 1e6)
+    assert opts.tie_word_embeddings and opts.global_rope_scaling is None
+    assert opts.hidden_activation == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"layer_types": [S, F]}, "layer_types"),
+    ({"sliding_window": 0}, "sliding_window"),
+])
+def test_unsupported_or_invalid_configs_are_refused(bad, match):
+    d = {**TINY_GEMMA, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **bad}
+    with pytest.raises(ValueError, match=match):
+        Gemma3ForCausalLM(ModelConfig.from_hf_dict(d))
+
+
+def test_sliding_layers_refuse_other_backends():
+    d = {**TINY_GEMMA, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    with pytest.raises(ValueError, match="tiled"):
+        Gemma3ForCausalLM(ModelConfig.from_hf_dict(d), attn_backend="tiled")
+
+
+def test_load_weights_rejects_missing_norm():
+    hf, ours = make_pair()
+    state = {k: v for k, v in hf.state_dict().items()
+             if k != "model.layers.1.post_feedforward_layernorm.weight"}
+    with pytest.raises(ValueError, match="post_feedforward_layernorm"):
+        ours.load_weights(state.items())
+
+
+def test_registry_names():
+    assert get_model_class("Gemma3ForCausalLM") is Gemma3ForCausalLM
+    assert get_model_class("gemma3") is Gemma3ForCausalLM
+
+
+# ------------------------------------------------------------------ GGUF and the whole engine
+def gguf_shaped_hf(**overrides) -> tf.Gemma3ForCausalLM:
+    """A tiny model in the shape a GGUF can describe: llama.cpp's 5-local-to-1-global pattern
+    (7 layers: 5 sliding, 1 full, 1 sliding) and queries scaled by head_dim (256, which is also
+    what transformers assumes when it reads a gemma3 GGUF)."""
+    from tests.loader.gguf_factory import gemma_vocabulary
+    return make_hf(**{"vocab_size": len(gemma_vocabulary()), "num_hidden_layers": 7,
+                      "layer_types": None, "head_dim": 256, "query_pre_attn_scalar": 256,
+                      **overrides})
+
+
+@pytest.fixture(scope="module")
+def gemma_files(tmp_path_factory):
+    """(HF model, its GGUF, an HF directory of it with the GGUF's tokenizer)."""
+    from kvforge.tokenizer import Tokenizer
+    from tests.loader.gguf_factory import sentencepiece_tokenizer, write_hf_model_gguf
+    d = tmp_path_factory.mktemp("gemma3")
+    hf = gguf_shaped_hf()
+    path = str(d / "tiny-gemma3.gguf")
+    write_hf_model_gguf(path, hf, "gemma3", tokenizer=sentencepiece_tokenizer(GEMMA_TEMPLATE))
+    hf_dir = d / "hf"
+    hf.save_pretrained(hf_dir)
+    Tokenizer.from_gguf(path).hf_tokenizer.save_pretrained(hf_dir)
+    return hf, path, str(hf_dir)
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_factory_gguf_reads_back_in_transformers(gemma_files):
+    """The file is written as llama.cpp would (norms as 1 + w): transformers' own GGUF reader
+    rebuilds the same model, so the factory is a fair stand-in for real files."""
+    from tests.helpers.hf_oracle import load_hf_gguf
+    hf, path, _ = gemma_files
+    ids = torch.randint(0, hf.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(load_hf_gguf(path)(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+def engine_matches_hf(path: str, hf, name: str, **engine_kwargs) -> list[list[int]]:
+    """Greedy tokens of the engine in three schedules (one batch; chunked prefill; a KV pool
+    that preempts) equal HF's (near-tie rule); prompts run far past the window of 8."""
+    import random
+
+    from kvforge import LLM, SamplingParams
+    from tests.helpers.engine_vs_hf import BLOCK_SIZE, MAX_TOKENS, PROMPT_LENGTHS, SCHEDULES
+    from tests.helpers.hf_oracle import check_greedy_close, hf_greedy
+    rng = random.Random(0)
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=4)
+    tokens = []
+    for schedule, kwargs in SCHEDULES.items():
+        llm = LLM(path, block_size=BLOCK_SIZE, **kwargs, **engine_kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out, (hf_tokens, hf_lps) in zip(prompts, outs, refs):
+            ours = out.outputs[0]
+            check_greedy_close(ours.token_ids, ours.logprobs, hf_tokens, hf_lps,
+                               name=f"{name}/{schedule} len={len(prompt)}")
+            tokens.append(list(ours.token_ids))
+        if schedule == "preempting":
+            assert sum(o.metrics.num_preemptions for o in outs) > 0, "pool meant to preempt"
+        llm.engine.check_integrity()
+        assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks, "leaked KV blocks"
+    return tokens
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_engine_greedy_matches_hf(gemma_files, fmt):
+    hf, path, hf_dir = gemma_files
+    engine_matches_hf(path if fmt == "gguf" else hf_dir, hf, f"gemma3-{fmt}")
+
+
+def test_engine_same_tokens_with_kernels_off(gemma_files, monkeypatch):
+    """The compiled decode stack is Llama-only: Gemma 3 runs its Python layers either way, and
+    turning every compiled kernel off (attention, linear, rotary) changes no token."""
+    from kvforge import LLM, SamplingParams
+    from kvforge import kernels
+    hf, path, _ = gemma_files
+    prompts = [[5, 9, 90, 17] * 5, [40] * 13]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    on = LLM(path, block_size=4, num_kv_blocks=64)
+    assert not hasattr(on.engine.runner.model, "decode_stack")
+    with_kernels = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(kernels, "_module", None)
+    off = LLM(path, block_size=4, num_kv_blocks=64)
+    without = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert with_kernels == without
+
+
+def test_gguf_tokenizer_and_chat_template(gemma_files):
+    """SentencePiece vocabulary from the file: BOS added, pieces as the merges rank them, the
+    chat template from tokenizer.chat_template and <end_of_turn> a stop token."""
+    from kvforge.loader import load_model_source
+    _, path, _ = gemma_files
+    tok = load_model_source(path).load_tokenizer()
+    ids = tok.encode("hello world")
+    assert ids[0] == 2 and tok.decode(ids) == "hello world"
+    assert tok.convert_ids_to_tokens(ids[1:]) == ["he", "ll", "o", "\u2581w", "o", "r", "ld"]
+    text = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    assert set(tok.eos_token_ids) == {1, 5}          # <eos>, <end_of_turn>
