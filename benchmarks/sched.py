@@ -316,16 +316,25 @@ def main() -> None:
         main_simulated(args)
 
 
-def main_simulated(args) -> None:
+def build_engines(args, policies: tuple[str, ...]) -> tuple[dict[str, LLM], int, float, float]:
+    """One engine per policy (fcfs first: it calibrates the step cost c0 + c1 x tokens that the
+    simulated clock, pareto's arrival rate and ``--mlfq-prefill-weight auto`` use)."""
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
                          num_threads=args.threads or torch.get_num_threads())
     fcfs = LLM(args.model, scheduling_policy="fcfs", **engine_kwargs)
     vocab = fcfs.engine.model_config.vocab_size
     c0, c1 = calibrate_step_cost(fcfs, vocab)
-    llms = {"fcfs": fcfs,
-            "mlfq": LLM(args.model, scheduling_policy="mlfq", **mlfq_options(args, c0, c1),
-                        **engine_kwargs)}
+    llms = {"fcfs": fcfs}
+    for policy in policies:
+        if policy != "fcfs":
+            extra = mlfq_options(args, c0, c1) if policy == "mlfq" else {}
+            llms[policy] = LLM(args.model, scheduling_policy=policy, **extra, **engine_kwargs)
+    return llms, vocab, c0, c1
+
+
+def main_simulated(args) -> None:
+    llms, vocab, c0, c1 = build_engines(args, ("fcfs", "mlfq"))
     weight = llms["mlfq"].engine.scheduler.waiting.config.prefill_weight
 
     jobs = make_jobs(args, vocab)
@@ -335,7 +344,7 @@ def main_simulated(args) -> None:
     rate = set_poisson_arrivals(args, jobs, capacity_jobs_per_s)
 
     print(hardware_line())
-    print(f"model: {fcfs.engine.model_config.architecture}, max_num_seqs "
+    print(f"model: {llms['fcfs'].engine.model_config.architecture}, max_num_seqs "
           f"{args.max_num_seqs}; clock: simulated, step = {c0 * 1e3:.2f} ms + "
           f"{c1 * 1e6:.1f} us x scheduled tokens (calibrated here) + exposed swap copy time")
     print(workload_line(args, jobs, rate))
@@ -438,24 +447,14 @@ def replay_real_clock(llm: LLM, jobs: list[Job], use_priority: bool
 
 
 def main_real_clock(args) -> None:
-    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
-                         num_threads=args.threads or torch.get_num_threads())
-    fcfs = LLM(args.model, scheduling_policy="fcfs", **engine_kwargs)
-    vocab = fcfs.engine.model_config.vocab_size
-    # for pareto's arrival rate and --mlfq-prefill-weight auto
-    c0, c1 = calibrate_step_cost(fcfs, vocab)
-    llms = {"fcfs": fcfs,
-            "mlfq": LLM(args.model, scheduling_policy="mlfq", **mlfq_options(args, c0, c1),
-                        **engine_kwargs),
-            "priority": LLM(args.model, scheduling_policy="priority", **engine_kwargs)}
+    llms, vocab, c0, c1 = build_engines(args, REAL_POLICIES)
     jobs = make_jobs(args, vocab)
     mean_out = float(np.mean([j.output_len for j in jobs]))
     rate = set_poisson_arrivals(
         args, jobs, args.max_num_seqs / ((c0 + c1 * args.max_num_seqs) * mean_out))
 
     print(hardware_line())
-    print(f"model: {fcfs.engine.model_config.architecture}, max_num_seqs {args.max_num_seqs}; "
+    print(f"model: {llms['fcfs'].engine.model_config.architecture}, max_num_seqs {args.max_num_seqs}; "
           f"clock: real (time.perf_counter; JCT and TTFT from RequestOutput.metrics), "
           f"{args.rounds} round(s) of {', '.join(REAL_POLICIES)} in turn")
     print(workload_line(args, jobs, rate))

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}"
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``y = (1 + weight) * x / sqrt(mean(x^2) + eps)``, with ``weight``
     stored zero-centred as in HF checkpoints (a fresh layer is the identity scale).
 
@@ -44,17 +44,11 @@ class OffsetRMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        if hidden_size <= 0:
-            raise ValueError(f"OffsetRMSNorm hidden_size must be > 0, got {hidden_size}")
-        if eps <= 0:
-            raise ValueError(f"OffsetRMSNorm eps must be > 0, got {eps}")
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        super().__init__(hidden_size, eps, dtype, device)
+        with torch.no_grad():
+            self.weight.zero_()              # zero-centred: a fresh layer scales by 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
