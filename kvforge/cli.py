@@ -137,7 +137,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     prompt = args.prompt
-    if args.chat_template:
+    # default: wrap the prompt when the model has a template (instruct models); base models
+    # without one take the prompt as it is. --chat-template insists (an error without one).
+    wrap = args.chat_template
+    if wrap is None:
+        wrap = engine.tokenizer.chat_template is not None
+    if wrap:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     _stream(engine, prompt, params)
     return 0
@@ -201,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     p.add_argument("prompt")
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap the prompt as a user turn of the model's chat template")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt as a user turn of the model's chat template (default: "
+                        "when the model has one)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -110,7 +110,8 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template; pass a plain prompt instead")
+            raise ValueError("this tokenizer has no chat template (a base model?); pass a plain "
+                             "prompt instead (kvforge generate --no-chat-template)")
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         return self._tok.apply_chat_template(messages, tokenize=False,

@@ -63,3 +63,34 @@ def test_chat_ends_at_end_of_input(tiny_model_factory, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(["chat", "--model", path, "--num-kv-blocks", "64"]) == 0
     assert capsys.readouterr().out == "> "
+
+
+def test_generate_wraps_in_the_chat_template_only_when_the_model_has_one(tiny_model_factory,
+                                                                          tmp_path, capsys):
+    """Default: an instruct model's prompt is wrapped as a user turn; a base model (no template)
+    takes it as typed instead of failing; --chat-template on a base model is a clear error."""
+    import json
+    import shutil
+    path, _ = tiny_model_factory("llama")
+    flags = ["--max-tokens", "5", "--num-kv-blocks", "64"]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    llm = LLM(path, num_kv_blocks=64)
+    wrapped = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert main(["generate", "Hi", "--model", path, *flags]) == 0
+    expected = llm.generate([wrapped], params, use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out.rstrip("\n") == expected
+
+    base = tmp_path / "base"                      # the same model without a chat template
+    shutil.copytree(path, base)
+    config_path = base / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    (base / "chat_template.json").unlink(missing_ok=True)
+    assert LLM(str(base), num_kv_blocks=64).tokenizer.chat_template is None
+    assert main(["generate", "Hi", "--model", str(base), *flags]) == 0
+    expected = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out.rstrip("\n") == expected
+    assert main(["generate", "Hi", "--model", str(base), "--chat-template", *flags]) == 2
+    assert "--no-chat-template" in capsys.readouterr().err
