@@ -402,44 +402,32 @@ def replay_real_clock(llm: LLM, jobs: list[Job], use_priority: bool
     first arrival to the last finish, model steps, output token ids in job order). Times come
     from ``RequestOutput.metrics`` (``time.monotonic``), relative to each job's arrival."""
     engine = llm.engine
-    steps_of_last_call = [0]
-    schedule = engine.scheduler.schedule
-
-    def counting_schedule():
-        out = schedule()
-        steps_of_last_call[0] = 1 + max(out.num_lookahead_tokens.values(), default=0)
-        return out
-
-    engine.scheduler.schedule = counting_schedule
     results: dict[str, JobResult] = {}
     tokens: dict[str, list[int]] = {}
-    model_steps, next_job = 0, 0
+    steps_before, next_job = engine.num_model_steps_total, 0
     start = time.perf_counter()
-    try:
-        while len(results) < len(jobs):
+    while len(results) < len(jobs):
+        now = time.perf_counter() - start
+        if not engine.has_unfinished_requests() and jobs[next_job].arrival > now:
+            time.sleep(jobs[next_job].arrival - now)           # idle until the next arrival
             now = time.perf_counter() - start
-            if not engine.has_unfinished_requests() and jobs[next_job].arrival > now:
-                time.sleep(jobs[next_job].arrival - now)           # idle until the next arrival
-                now = time.perf_counter() - start
-            while next_job < len(jobs) and jobs[next_job].arrival <= now:
-                job = jobs[next_job]
-                engine.add_request(str(next_job), job.prompt_token_ids,
-                                   SamplingParams(temperature=0.0, max_tokens=job.output_len,
-                                                  ignore_eos=True),
-                                   priority=job.output_len if use_priority else 0)
-                next_job += 1
-            for out in engine.step():
-                if out.finished:
-                    m = out.metrics
-                    job = jobs[int(out.request_id)]
-                    results[out.request_id] = JobResult(
-                        0.0, job.output_len, m.first_token_time - m.arrival_time,
-                        m.finished_time - m.arrival_time, m.num_preemptions, m.num_swaps)
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-            model_steps += steps_of_last_call[0]
-    finally:
-        engine.scheduler.schedule = schedule
+        while next_job < len(jobs) and jobs[next_job].arrival <= now:
+            job = jobs[next_job]
+            engine.add_request(str(next_job), job.prompt_token_ids,
+                               SamplingParams(temperature=0.0, max_tokens=job.output_len,
+                                              ignore_eos=True),
+                               priority=job.output_len if use_priority else 0)
+            next_job += 1
+        for out in engine.step():
+            if out.finished:
+                m = out.metrics
+                job = jobs[int(out.request_id)]
+                results[out.request_id] = JobResult(
+                    0.0, job.output_len, m.first_token_time - m.arrival_time,
+                    m.finished_time - m.arrival_time, m.num_preemptions, m.num_swaps)
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
     wall = time.perf_counter() - start
+    model_steps = engine.num_model_steps_total - steps_before
     engine.check_integrity()
     assert engine.num_free_blocks == engine.runner.num_blocks, "leaked KV blocks"
     order = [str(i) for i in range(len(jobs))]

@@ -166,7 +166,8 @@ async def run_benchmark(base_url: str, model: str, requests: list[ServeRequest],
 
 
 # ---------------------------------------------------------------------------- summary
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile of ``xs`` with linear interpolation (NaN when empty)."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
@@ -198,8 +199,8 @@ def summarize(results: list[RequestResult], duration: float,
               "itl": [x for r in ok for x in r.itl], "e2el": [r.e2el for r in ok]}
     for name, xs in series.items():
         s[f"mean_{name}_ms"] = 1000 * sum(xs) / len(xs) if xs else float("nan")
-        s[f"median_{name}_ms"] = 1000 * _pct(xs, 50)
-        s[f"p99_{name}_ms"] = 1000 * _pct(xs, 99)
+        s[f"median_{name}_ms"] = 1000 * percentile(xs, 50)
+        s[f"p99_{name}_ms"] = 1000 * percentile(xs, 99)
     if slos:
         good = [r for r in ok if all((getattr(r, k) or 0.0) <= v for k, v in slos.items())]
         s["goodput"] = len(good) / duration

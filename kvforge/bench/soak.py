@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import math
 import os
 import random
 import time
 from dataclasses import dataclass, field
+
+from kvforge.bench.serving import percentile
 
 WORDS = ("river stone light garden paper window orange music silver winter forest cloud "
          "engine table market letter island mirror candle bridge").split()
@@ -218,15 +219,6 @@ def rss_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------- the run
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100.0
-    i = math.floor(k)
-    return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (k - i)
-
-
 @dataclass
 class SoakReport:
     num_requests: int
@@ -335,8 +327,8 @@ def run_soak(server, cfg: SoakConfig, api_key: str | None) -> SoakReport:
         dropped=sum(r.request.drop_after is not None and not r.request.wrong_key for r in results),
         unauthorized=sum(r.request.wrong_key for r in results),
         server_errors=sum(r.status >= 500 for r in results), duration_s=duration,
-        requests_per_s=len(results) / duration, p50_latency_ms=1000 * _pct(latencies, 50),
-        p99_latency_ms=1000 * _pct(latencies, 99), rss_before_mb=rss_before / 2**20,
+        requests_per_s=len(results) / duration, p50_latency_ms=1000 * percentile(latencies, 50),
+        p99_latency_ms=1000 * percentile(latencies, 99), rss_before_mb=rss_before / 2**20,
         rss_after_mb=rss_after / 2**20, aborted=aborted,
         prefix_cache_blocks=m.get("prefix_cache_blocks", 0.0),
         prefix_cache_hit_rate=m.get("prefix_cache_hit_rate", 0.0), failures=failures)

@@ -115,6 +115,9 @@ class LLMEngine:
         self._seq_states: dict[str, _SeqState] = {}
         self._ids = itertools.count()
         self.num_preemptions_total = 0          # read by the server's metrics
+        # model steps run so far: a multi-step decode call of k steps counts k (a clock that
+        # does not depend on the machine: the scheduling tests and benchmarks/sched.py use it)
+        self.num_model_steps_total = 0
         logger.info("kvforge engine: %s, %d layers, KV %d blocks (%d tokens, %d bytes/token)",
                     self.model_config.architecture, self.model_config.num_hidden_layers,
                     self.runner.num_blocks, self.runner.num_blocks * config.block_size,
@@ -204,6 +207,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         self.num_preemptions_total += len(sched.preempted_request_ids)
+        self.num_model_steps_total += 1 + max(sched.num_lookahead_tokens.values(), default=0)
         self.scheduler.update_from_output(sched, runner_out.sampled)
         if self.spec is not None:
             self.spec.record(sched, runner_out.sampled)

@@ -19,13 +19,14 @@ SCHEDULES = {
 }
 
 
-def random_prompts(seed: int) -> list[list[int]]:
+def random_prompts(seed: int, vocab_size: int = 49152) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def check_engine_matches_hf(path: str, hf_model, name: str, seed: int = 0, **engine_kwargs) -> None:
-    prompts = random_prompts(seed)
+def check_engine_matches_hf(path: str, hf_model, name: str, seed: int = 0,
+                            vocab_size: int = 49152, **engine_kwargs) -> None:
+    prompts = random_prompts(seed, vocab_size)
     refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=4)
     for schedule, kwargs in SCHEDULES.items():

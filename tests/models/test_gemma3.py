@@ -177,39 +177,14 @@ def test_factory_gguf_reads_back_in_transformers(gemma_files):
         torch.testing.assert_close(load_hf_gguf(path)(ids).logits, hf(ids).logits, rtol=0, atol=0)
 
 
-def engine_matches_hf(path: str, hf, name: str, **engine_kwargs) -> list[list[int]]:
-    """Greedy tokens of the engine in three schedules (one batch; chunked prefill; a KV pool
-    that preempts) equal HF's (near-tie rule); prompts run far past the window of 8."""
-    import random
-
-    from kvforge import LLM, SamplingParams
-    from tests.helpers.engine_vs_hf import BLOCK_SIZE, MAX_TOKENS, PROMPT_LENGTHS, SCHEDULES
-    from tests.helpers.hf_oracle import check_greedy_close, hf_greedy
-    rng = random.Random(0)
-    vocab = hf.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=4)
-    tokens = []
-    for schedule, kwargs in SCHEDULES.items():
-        llm = LLM(path, block_size=BLOCK_SIZE, **kwargs, **engine_kwargs)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        for prompt, out, (hf_tokens, hf_lps) in zip(prompts, outs, refs):
-            ours = out.outputs[0]
-            check_greedy_close(ours.token_ids, ours.logprobs, hf_tokens, hf_lps,
-                               name=f"{name}/{schedule} len={len(prompt)}")
-            tokens.append(list(ours.token_ids))
-        if schedule == "preempting":
-            assert sum(o.metrics.num_preemptions for o in outs) > 0, "pool meant to preempt"
-        llm.engine.check_integrity()
-        assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks, "leaked KV blocks"
-    return tokens
-
-
 @pytest.mark.parametrize("fmt", ["gguf", "hf"])
 def test_engine_greedy_matches_hf(gemma_files, fmt):
+    """Three schedules (one batch; chunked prefill; a KV pool that preempts) against HF; the
+    prompts run far past the window of 8."""
+    from tests.helpers.engine_vs_hf import check_engine_matches_hf
     hf, path, hf_dir = gemma_files
-    engine_matches_hf(path if fmt == "gguf" else hf_dir, hf, f"gemma3-{fmt}")
+    check_engine_matches_hf(path if fmt == "gguf" else hf_dir, hf, f"gemma3-{fmt}",
+                            vocab_size=hf.config.vocab_size)
 
 
 def test_engine_same_tokens_with_kernels_off(gemma_files, monkeypatch):

@@ -25,19 +25,10 @@ def run_head_of_line(path, policy, **options):
         prompt = [int(t) for t in rng.integers(100, 40000, int(rng.integers(8, 25)))]
         engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens,
                                                         ignore_eos=True))
-    steps_of_last_call = [0]
-    schedule = engine.scheduler.schedule
-
-    def counting_schedule():
-        out = schedule()
-        steps_of_last_call[0] = 1 + max(out.num_lookahead_tokens.values(), default=0)
-        return out
-
-    engine.scheduler.schedule = counting_schedule
-    clock, finished, outputs = 0, {}, {}
+    finished, outputs = {}, {}
     while engine.has_unfinished_requests():
         step_outputs = engine.step()
-        clock += steps_of_last_call[0]
+        clock = engine.num_model_steps_total
         for out in step_outputs:
             if out.finished:
                 finished[out.request_id] = clock

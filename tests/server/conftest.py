@@ -2,6 +2,8 @@
 can reach the engine for check_integrity), plus an offline LLM on the same model as the oracle."""
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 
@@ -49,3 +51,26 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
+
+
+@contextlib.contextmanager
+def recording_aborts(server):
+    """Yields a list that receives, for every request the engine aborts while it still runs, its
+    output length at that moment: a spy on ``LLMEngine.abort_request`` installed on the engine
+    thread and removed afterwards (the server is shared between tests)."""
+    aborted_at: list[int] = []
+
+    def spy(e):
+        def abort_request(rid: str, inner=e.abort_request) -> None:
+            group = e._groups.get(rid)
+            if group is not None:
+                aborted_at.extend(s.request.num_output_tokens for s in group.seqs
+                                  if not s.request.is_finished)
+            inner(rid)
+        e.abort_request = abort_request
+
+    server.in_engine(spy)
+    try:
+        yield aborted_at
+    finally:
+        server.in_engine(lambda e: e.__dict__.pop("abort_request"))

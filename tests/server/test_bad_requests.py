@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tests.server.conftest import recording_aborts
 from tests.server.test_errors import assert_error
 
 CONTEXT = 512          # the tiny model's context
@@ -125,17 +126,6 @@ def test_surrogate_pair_is_ordinary_text(http):
 ])
 def test_non_streaming_request_is_aborted_when_its_client_leaves(server, path, body):
     body = {**body, "max_tokens": 450, "ignore_eos": True, "temperature": 0}
-    aborted_at: list[int] = []
-
-    def spy(e):      # records how far each request had got when the engine aborted it
-        def abort_request(rid: str, inner=e.abort_request) -> None:
-            group = e._groups.get(rid)
-            if group is not None:
-                aborted_at.extend(s.request.num_output_tokens for s in group.seqs
-                                  if not s.request.is_finished)
-            inner(rid)
-        e.abort_request = abort_request
-
     async def leave_after_a_few_tokens():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             task = asyncio.create_task(c.post(path, json=body))
@@ -149,13 +139,10 @@ def test_non_streaming_request_is_aborted_when_its_client_leaves(server, path, b
             with pytest.raises(asyncio.CancelledError):
                 await task
 
-    server.in_engine(spy)
-    try:
+    with recording_aborts(server) as aborted_at:
         asyncio.run(leave_after_a_few_tokens())
         # it would run on for ~447 more tokens had it not been aborted
         server.wait_idle(timeout=20)
-    finally:
-        server.in_engine(lambda e: e.__dict__.pop("abort_request"))
     assert len(aborted_at) == 1 and 3 <= aborted_at[0] < 450, aborted_at
     server.assert_clean()
 

@@ -8,6 +8,7 @@ import json
 import httpx
 
 from kvforge import SamplingParams
+from tests.server.conftest import recording_aborts
 
 
 async def read_stream(client: httpx.AsyncClient, body: dict, stop_after: int | None = None):
@@ -49,27 +50,13 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(server, offline):
                 read_stream(c, body(p, 450), stop_after=3) if i % 2 else read_stream(c, body(p, 40))
                 for i, p in enumerate(ps)])
     # what the engine itself saw: the output length of every request it aborted while that request
-    # still ran (a spy on abort_request, removed afterwards -- the server is shared)
-    aborted_at: list[int] = []
-
-    def spy(e):
-        def abort_request(rid: str, inner=e.abort_request) -> None:
-            group = e._groups.get(rid)
-            if group is not None:
-                aborted_at.extend(s.request.num_output_tokens for s in group.seqs
-                                  if not s.request.is_finished)
-            inner(rid)
-        e.abort_request = abort_request
-
+    # still ran
     before = aborted_count()
-    server.in_engine(spy)
-    try:
+    with recording_aborts(server) as aborted_at:
         got = asyncio.run(main())
         # the server learns of a hang-up when its next write fails, a step or a few after the
         # client closed (more on a loaded machine, where the engine thread runs on meanwhile)
         server.wait_idle()
-    finally:
-        server.in_engine(lambda e: e.__dict__.pop("abort_request"))
     for i in range(8):
         assert got[i] == (None if i % 2 else want[i])
     # exactly the four dropped requests were cut short, each after the 3 chunks we read and
