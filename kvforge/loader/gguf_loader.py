@@ -266,6 +266,18 @@ def tensor_to_torch(t: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
+def qk_permuted_heads(arch: str, hf_name: str, config: dict[str, Any]) -> int | None:
+    """The head count to undo llama.cpp's rotary row permutation of ``hf_name`` with
+    (``unpermute_qk_rows``), or None where the file stores the rows in HF order."""
+    if arch not in _PERMUTED_QK_ARCHS:
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        return config["num_attention_heads"]
+    if ".self_attn.k_proj." in hf_name:
+        return config["num_key_value_heads"]
+    return None
+
+
 def iter_gguf_weights(reader: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) one at a time, q/k rows back in HF order."""
     arch = gguf_architecture(reader)
@@ -275,11 +287,9 @@ def iter_gguf_weights(reader: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         if name is None:
             continue
         tensor = to_hf_values(arch, name, tensor_to_torch(t))
-        if arch in _PERMUTED_QK_ARCHS:
-            if ".self_attn.q_proj." in name:
-                tensor = unpermute_qk_rows(tensor, config["num_attention_heads"])
-            elif ".self_attn.k_proj." in name:
-                tensor = unpermute_qk_rows(tensor, config["num_key_value_heads"])
+        n_head = qk_permuted_heads(arch, name, config)
+        if n_head is not None:
+            tensor = unpermute_qk_rows(tensor, n_head)
         yield name, tensor
 
 

@@ -172,9 +172,6 @@ def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
     for the rest (norms, biases), q/k rows back in HF order."""
     arch = gguf_loader.gguf_architecture(reader)
     config = gguf_loader.gguf_to_hf_config(reader)
-    permuted = arch in gguf_loader._PERMUTED_QK_ARCHS
-    heads = {".self_attn.q_proj.": config["num_attention_heads"],
-             ".self_attn.k_proj.": config["num_key_value_heads"]}
     for t in reader.tensors:
         name = gguf_loader.hf_tensor_name(t.name, arch)
         if name is None:
@@ -187,8 +184,8 @@ def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
             weight = GGUFBlocks(gguf_loader.raw_rows(t), t.tensor_type.name, shape[1], t.name)
         else:
             weight = gguf_loader.to_hf_values(arch, name, gguf_loader.tensor_to_torch(t))
-        n_head = next((n for part, n in heads.items() if part in name), None)
-        if permuted and n_head is not None:
+        n_head = gguf_loader.qk_permuted_heads(arch, name, config)
+        if n_head is not None:
             if as_blocks:    # whole rows gathered into RAM (a copy of these two tensors only)
                 weight = GGUFBlocks(gguf_loader.unpermute_qk_rows(weight.raw, n_head),
                                     weight.type_name, weight.in_features, weight.name)
