@@ -39,8 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="store paged K/V in 8 bits (4x the tokens of fp32 per byte)")
-    g.add_argument("--quantization", default="none",
-                   help="weight quantization: none, int8, int4, gguf, awq, ... (kvforge.quant)")
+    g.add_argument("--quantization", default="auto",
+                   help="weight quantization: auto (GGUF files run in their own blocks, other "
+                        "models as stored), none (GGUF dequantized to fp32), int8, int4, gguf, "
+                        "awq, ... (kvforge.quant)")
     g.add_argument("--quantization-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="option of the quantization method, e.g. group_size=128 (repeatable)")
     g.add_argument("--sparse-attention", default="none", choices=["none", "quest"],

@@ -56,7 +56,9 @@ class EngineConfig:
     swap_prefetch: bool = True
     attention_backend: str = "paged"
     kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (paged backend)
-    quantization: str = "none"           # weight quantization method (kvforge.quant registry)
+    # weight quantization method (kvforge.quant registry); "auto": a GGUF file runs in its own
+    # blocks ("gguf") where the compiled kernels run, anything else as stored ("none")
+    quantization: str = "auto"
     quantization_args: dict | None = None  # its options, e.g. {"group_size": 128}
     num_threads: int | None = None       # torch intra-op threads; None = physical cores
     sparse_attention: str = "none"       # none | quest (attention/quest.py: sparse decode)
@@ -120,11 +122,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.quantization_args is not None and not isinstance(self.quantization_args, dict):
             raise ValueError(f"quantization_args must be a dict, got {self.quantization_args!r}")
-        if self.quantization not in (None, "", "none"):
+        if self.quantization not in (None, "", "none", "auto"):
             from kvforge.quant.base import available_quantizations
             if self.quantization not in available_quantizations():
                 raise ValueError(f"unknown quantization {self.quantization!r}; known: "
-                                 f"{['none'] + available_quantizations()}")
+                                 f"{['auto', 'none'] + available_quantizations()}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

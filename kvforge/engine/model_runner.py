@@ -60,10 +60,11 @@ class ModelRunner:
         # the attention backend picks the cache dtype (fp8 KV cache: 8-bit, else the model dtype)
         cache_dtype = (self.model.kv_cache_dtype() if hasattr(self.model, "kv_cache_dtype")
                        else self.dtype)
-        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it;
-        # faulted in now, not by whichever decode step first writes into each page
-        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device,
-                                         populate=True)
+        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it.
+        # Pages fault in as tokens are written, not at start: a 2 MiB page of one layer's K
+        # holds hundreds of tokens, so a decode step rarely waits on a fault (~0.1 ms), while
+        # populating the whole default 1 GiB pool cost ~1-8 s of every start and its RSS
+        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
         self.sampler = Sampler()
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait
