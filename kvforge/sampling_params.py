@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.structured.params import StructuredOutputParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,8 +32,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match this JSON schema / regex / choice / grammar (kvforge/structured);
+    # a dict of StructuredOutputParams' fields is accepted
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_output = StructuredOutputParams.from_value(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
