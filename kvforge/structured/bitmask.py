@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from kvforge.structured.matcher import GrammarMatcher
@@ -46,11 +47,21 @@ def fill_token_bitmask(matchers: list[GrammarMatcher | None],
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+# bit value -> what it adds to a logit: unpacked bits index it, giving the additive mask
+_BIAS_BY_BIT = np.array([-np.inf, 0.0], dtype=np.float32)
+
+
+def _unpacked_bits(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """[R, V] uint8 0/1 (little-endian bit order within each int32 word, as llguidance writes)."""
+    return np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab_size,
+                         bitorder="little")
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
-    """[B, V] bool from the packed bitmask."""
+    """[R, V] bool from the packed bitmask."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return torch.from_numpy(_unpacked_bits(bitmask, vocab_size)).bool()
     shifts = _BIT_SHIFTS.get(device)
     if shifts is None:
         shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
@@ -58,15 +69,24 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device) -> torch.Tens
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def _additive_mask(bitmask: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """[R, V] float32: 0 where allowed, -inf where not. On CPU a table lookup of the unpacked
+    bits: adding it costs ~1/3 of a masked_fill with a bool mask (measured on 49k and 152k)."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.take(_BIAS_BY_BIT, _unpacked_bits(bitmask, vocab_size)))
+    allowed = allowed_tokens(bitmask, vocab_size, device)
+    return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, -math.inf)
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int],
                         bitmask: torch.Tensor) -> torch.Tensor:
     """Disallowed tokens of the listed rows -> -inf (out of place)."""
-    allowed = allowed_tokens(bitmask, logits.shape[1], logits.device)
+    mask = _additive_mask(bitmask, logits.shape[1], logits.device)
     if len(rows) == logits.shape[0]:
-        return logits.masked_fill(~allowed, -math.inf)
+        return logits + mask
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, -math.inf)
+    logits[index] += mask
     return logits
 
 

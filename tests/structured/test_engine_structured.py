@@ -12,7 +12,8 @@ from kvforge import LLM, SamplingParams
 from kvforge.engine.decode_steps import decode_steps_for
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.structured import StructuredOutputParams
-from kvforge.structured.bitmask import allowed_tokens, apply_grammars, fill_token_bitmask
+from kvforge.structured.bitmask import (allowed_tokens, apply_grammars, apply_token_bitmask,
+                                       fill_token_bitmask)
 from tests.structured.schemas import SCHEMAS
 
 SCHEMA = SCHEMAS["nested_object"]
@@ -120,3 +121,19 @@ def test_bad_grammar_leaves_the_engine_clean(tiny_path):
         llm.engine.add_request(None, "x", SamplingParams(structured_output={"regex": "a(b"}))
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+
+
+def test_bitmask_unpacking_matches_bit_shifts():
+    """Bit t % 32 of word t // 32 (the sign bit included) allows token t, on the rows given."""
+    torch.manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32)
+    bitmask[0, 0] = -2**31                      # only bit 31 of the first word
+    shifts = torch.arange(32, dtype=torch.int32)
+    want = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(3, -1)[:, :150].bool()
+    assert torch.equal(allowed_tokens(bitmask, 150, "cpu"), want)
+    assert want[0, :32].nonzero().flatten().tolist() == [31]
+    logits = torch.randn(4, 150)
+    masked = apply_token_bitmask(logits, [0, 2, 3], bitmask)
+    assert torch.equal(masked[1], logits[1])
+    for row, mask_row in ((0, 0), (2, 1), (3, 2)):
+        assert torch.equal(masked[row], logits[row].masked_fill(~want[mask_row], -float("inf")))
