@@ -254,6 +254,7 @@ class OpenAIServing:
         params = self._params(body, max_tokens, logprobs, structured)
         job = _Job(self, "chatcmpl", body, params, [ids], [""])
         job.tool_mode = body.tool_mode
+        job.tool_names = {t.function.name for t in body.tools or []}
         return await job.respond(job.stream_chat, job.full_chat)
 
 
@@ -299,6 +300,7 @@ class _Job:
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
         self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
+        self.tool_names: set[str] = set()
 
     async def respond(self, stream_events, full_response):
         """Start the engine requests; the SSE response or the whole one (as JSON). Whatever
@@ -411,7 +413,7 @@ class _Job:
         if self.tool_mode == "none":
             return {"role": "assistant", "content": text}, finish_reason
         if self.tool_mode == "auto":
-            content, calls = parse_tagged_calls(text)
+            content, calls = parse_tagged_calls(text, self.tool_names)
         else:
             calls = parse_forced_call(text)
             content = None if calls else text
@@ -427,8 +429,8 @@ class _Job:
             yield self._chunk("chat.completion.chunk", [
                 {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}])
-        tool_streams = ({j: ToolCallStream(forced=self.tool_mode != "auto") for j in range(self.n)}
-                        if self.tool_mode != "none" else None)
+        tool_streams = ({j: ToolCallStream(self.tool_mode != "auto", self.tool_names)
+                         for j in range(self.n)} if self.tool_mode != "none" else None)
         done: set[int] = set()      # choices that sent their finish_reason (n > 1: a
         #                              finished choice is in its siblings' later outputs too)
         async for _, out in self._merge(streams):

@@ -5,6 +5,9 @@ Two ways a call comes out of the model:
 * tool_choice "auto": the chat template showed the tools and the model writes each call as
   (Hermes / Qwen2.5 style)  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   possibly with text around it. The tags are parsed; what is left is the message content.
+  Small models (Qwen2.5-Coder-0.5B) often answer with the bare call object instead, or in a
+  markdown ```json fence: a whole answer that is one such object naming one of the request's
+  tools is read as that call.
 * tool_choice "required" or a named function: the output is grammar-constrained to exactly one
   call object ``{"name": ..., "arguments": {...}}`` whose arguments match the function's
   parameter schema (as vLLM does); the whole text is that call.
@@ -79,8 +82,21 @@ def parse_forced_call(text: str) -> list[ParsedToolCall]:
     return [call] if call is not None else []
 
 
-def parse_tagged_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def _bare_call(text: str, tool_names: set[str]) -> ParsedToolCall | None:
+    """The whole answer as one call object (optionally in a ```json fence) naming a tool."""
+    text = text.strip()
+    fenced = _FENCE.match(text)
+    call = _call_from_json(fenced.group(1) if fenced else text)
+    return call if call is not None and call.name in tool_names else None
+
+
+def parse_tagged_calls(text: str, tool_names: set[str] | None = None
+                       ) -> tuple[str | None, list[ParsedToolCall]]:
     """(content outside the calls, None if only whitespace; the calls), from free text.
+    Without tagged calls, a whole answer that is a call object of one of ``tool_names`` is one.
 
     A ``<tool_call>`` block that is not a valid call stays in the content, as written. The
     content is not otherwise trimmed, so a stream's content deltas add up to exactly it."""
@@ -95,6 +111,10 @@ def parse_tagged_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
         calls.append(call)
         pos = m.end()
     content_parts.append(text[pos:])
+    if not calls and tool_names:
+        bare = _bare_call(text, tool_names)
+        if bare is not None:
+            return None, [bare]
     content = "".join(content_parts)
     return (content if content.strip() else None), calls
 
@@ -112,10 +132,12 @@ def _possible_start(text: str) -> int:
 
 class ToolCallStream:
     """One streamed choice of a request with tools: what content to send now, and the calls at
-    the end. ``forced``: the whole output is a call (no content ever)."""
+    the end. ``forced``: the whole output is a call (no content ever). An answer that starts
+    like a bare call object (``{`` or a ``` fence) is held back whole until it finishes."""
 
-    def __init__(self, forced: bool) -> None:
+    def __init__(self, forced: bool, tool_names: set[str] | None = None) -> None:
         self.forced = forced
+        self.tool_names = tool_names
         self.text = ""
         self.sent = 0
 
@@ -124,8 +146,12 @@ class ToolCallStream:
         if self.forced:
             return ""
         safe = _possible_start(self.text)
+        head = self.text.lstrip()
         if not self.text[:safe].strip():     # whitespace before a call is not content
             return ""
+        if self.tool_names and self.sent == 0 and (head.startswith(("{", "```"))
+                                                   or "```".startswith(head)):
+            return ""                        # may be a bare call: wait for the whole answer
         out = self.text[self.sent:safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return out
@@ -135,6 +161,6 @@ class ToolCallStream:
         if self.forced:
             calls = parse_forced_call(self.text)
             return ("" if calls else self.text), calls
-        content, calls = parse_tagged_calls(self.text)
+        content, calls = parse_tagged_calls(self.text, self.tool_names)
         # what went out is text before the first "<tool_call>", so a prefix of the content
         return (content or "")[self.sent:], calls

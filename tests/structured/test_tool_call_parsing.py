@@ -45,3 +45,20 @@ def test_stream_holds_back_a_possible_call_and_adds_up_to_the_whole():
     forced = ToolCallStream(forced=True)
     assert forced.feed('{"name": "f", "arguments": {}}') == ""
     assert [c.name for c in forced.finish()[1]] == ["f"]
+
+
+def test_a_bare_call_object_naming_a_tool_is_a_call():
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```'
+    for text in (fenced, ' {"name": "get_weather", "arguments": {"city": "Paris"}}'):
+        content, calls = parse_tagged_calls(text, {"get_weather"})
+        assert content is None and [(c.name, c.arguments) for c in calls] == [
+            ("get_weather", {"city": "Paris"})]
+        # not one of the request's tools, or no tools given: plain content
+        assert parse_tagged_calls(text, {"other"}) == (text, [])
+        assert parse_tagged_calls(text) == (text, [])
+        stream = ToolCallStream(forced=False, tool_names={"get_weather"})
+        assert "".join(stream.feed(c) for c in text) == ""
+        assert stream.finish()[0] == "" and stream.finish()[1][0].name == "get_weather"
+    stream = ToolCallStream(forced=False, tool_names={"get_weather"})
+    sent = "".join(stream.feed(c) for c in '{"a": 1} is JSON')
+    assert sent + stream.finish()[0] == '{"a": 1} is JSON'
