@@ -9,6 +9,7 @@ import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from kvforge.sampling_params import SamplingParams
 from kvforge.structured.params import StructuredOutputParams
@@ -96,11 +97,12 @@ class _SamplingFields(_RequestBody):
     user: str | None = None
     priority: int = 0             # scheduling_policy priority/mlfq: lower value goes first
     # structured outputs (kvforge/structured): OpenAI's response_format, or one of vLLM's extras
+    # (accepted, but left out of the OpenAPI schema as vendor extras are)
     response_format: ResponseFormat | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: SkipJsonSchema[dict | str | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list[str] | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
 
     @field_validator("stop")
     @classmethod
@@ -190,22 +192,39 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _message_schema(schema: dict) -> None:
+    """The OpenAPI schema states what the validators below check: a message has content and no
+    tool_calls, or it is an assistant message with tool_calls (content optional)."""
+    schema["anyOf"] = [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}},
+         "not": {"required": ["tool_calls"]}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"}}}]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # required, except on an assistant message that only calls tools
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # required, except on an assistant message that only calls tools (validated after role
+    # and tool_calls, which come first for that reason: errors then name messages.N.content)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None
     tool_call_id: str | None = None       # role "tool": the call this message answers
 
-    @model_validator(mode="after")
-    def _content_or_tool_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only assistant messages carry tool_calls, not {self.role}")
-        return self
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistants_call(cls, v, info):
+        if v and info.data.get("role") != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not "
+                             f"{info.data.get('role')}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, v, info):
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(f"a {info.data.get('role', 'chat')} message needs content")
+        return v
 
     def text(self) -> str:
         if self.content is None:
