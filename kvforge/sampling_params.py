@@ -68,6 +68,11 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.structured_output is not None and self.min_tokens > 0:
+            # the grammar decides where the output ends: once it allows only EOS, min_tokens
+            # would leave nothing to sample
+            raise ValueError(f"min_tokens ({self.min_tokens}) cannot be combined with "
+                             f"structured_output: the grammar decides where the output ends")
         if self.top_k == 0:
             self.top_k = -1
 

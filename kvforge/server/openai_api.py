@@ -519,8 +519,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
         tok = serving.tokenizer
         try:
             if body.messages is not None:
-                ids = tok.apply_chat_template([m.model_dump(include={"role", "content"})
-                                               | {"content": m.text()} for m in body.messages],
+                ids = tok.apply_chat_template([m.template_dict() for m in body.messages],
                                               add_generation_prompt=body.add_generation_prompt)
             elif body.prompt is not None:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

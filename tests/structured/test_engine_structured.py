@@ -49,6 +49,8 @@ def test_structured_output_params_are_validated():
         SamplingParams(structured_output={"schema": {}})
     with pytest.raises(ValueError, match="must be a StructuredOutputParams or a dict"):
         SamplingParams(structured_output="json")
+    with pytest.raises(ValueError, match="min_tokens .* cannot be combined"):
+        SamplingParams(min_tokens=2, structured_output={"regex": "a+"})
     params = SamplingParams(structured_output={"json": json.dumps(SCHEMA)})
     assert params.structured_output.json == SCHEMA
     assert (params.structured_output.cache_key()
