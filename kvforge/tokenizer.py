@@ -119,21 +119,33 @@ class Tokenizer:
                                 clean_up_tokenization_spaces=False)
 
     # --- chat ---------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (Qwen2.5's does)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (a base model?); pass a plain "
                              "prompt instead (kvforge generate --no-chat-template)")
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if tools and not self.renders_tools:
+            raise ValueError("this model's chat template does not render tools, so the model "
+                             "would never see them; use a model whose template has tools "
+                             "(e.g. Qwen2.5) or leave tools out")
         return self._tok.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered text already holds the template's special tokens (bos included when the
         # template writes it), so encoding must not add them a second time.
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 
