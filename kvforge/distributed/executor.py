@@ -50,6 +50,16 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class MultiprocessingExecutor(TensorParallelExecutor):
     """Workers as spawned local processes (torch.multiprocessing, ``spawn``: a fork of a
     process with threads and an OpenMP pool is unsafe)."""
@@ -71,8 +81,13 @@ class MultiprocessingExecutor(TensorParallelExecutor):
             self.processes.append((spec.rank, p))
 
     def dead_workers(self) -> list[str]:
-        return [f"rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
-                for rank, p in self.processes if p.exitcode is not None]
+        lines = []
+        for rank, p in self.processes:
+            if p.exitcode is not None:
+                lines.append(f"rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}")
+            elif not _pid_exists(p.pid):      # reaped by someone else: no exit status left
+                lines.append(f"rank {rank} (pid {p.pid}) is gone")
+        return lines
 
     def worker_pids(self) -> list[int]:
         return [p.pid for _, p in self.processes]
