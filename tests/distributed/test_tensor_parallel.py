@@ -118,3 +118,31 @@ def test_killed_ray_worker_fails_requests(ray_instance, tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     _kill_worker_mid_request(LLM(path, **ENGINE, tensor_parallel_size=2,
                                  distributed_executor_backend="ray"))
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_servers_request_in_flight(tiny_model_factory):
+    import concurrent.futures
+
+    import httpx
+
+    from kvforge.server.background import BackgroundServer
+    path, _ = tiny_model_factory("llama")
+    server = BackgroundServer({"model": path, **ENGINE, "tensor_parallel_size": 2},
+                              served_model_name="tiny")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(http.post, "/v1/completions", json={
+                "model": "tiny", "prompt": "a long story", "max_tokens": 300,
+                "ignore_eos": True})
+            while not server.in_engine(lambda e: e.scheduler.num_running):
+                time.sleep(0.01)
+            pid = server.in_engine(lambda e: e.runner.worker_pids[0])
+            os.kill(pid, signal.SIGKILL)
+            answer = long.result(timeout=30)
+            assert answer.status_code == 503
+            assert f"pid {pid}" in answer.json()["error"]["message"]
+            assert http.get("/health").status_code == 503
+    finally:
+        server.stop()
