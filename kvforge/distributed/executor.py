@@ -8,6 +8,7 @@ binds its collectives to its node's address).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 from abc import ABC, abstractmethod
@@ -100,9 +101,11 @@ class MultiprocessingExecutor(TensorParallelExecutor):
                 p.join(5)
 
 
-def ensure_ray():
+def ensure_ray(min_cpus: int = 1):
     """The ``ray`` module, connected: to ``RAY_ADDRESS`` if set, else an instance started
-    here (and already-initialised Ray is used as it is)."""
+    here (and already-initialised Ray is used as it is). A local instance declares at least
+    ``min_cpus`` CPUs: Ray's CPUs are scheduling slots, not pinned cores, and the ranks share
+    the cores through their thread counts."""
     try:
         import ray
     except ImportError:
@@ -112,7 +115,7 @@ def ensure_ray():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         else:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
+            ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
                      object_store_memory=100 * 2**20)
     return ray
 
@@ -137,8 +140,9 @@ class RayExecutor(TensorParallelExecutor):
     """Workers as Ray actors, one bundle of ``cpus_per_worker`` CPUs each in a placement
     group (PACK: on as few nodes as fit)."""
 
-    def __init__(self, cpus_per_worker: float = 1.0, ready_timeout: float = 120.0) -> None:
-        self.ray = ensure_ray()
+    def __init__(self, num_workers: int, cpus_per_worker: float = 1.0,
+                 ready_timeout: float = 120.0) -> None:
+        self.ray = ensure_ray(math.ceil(num_workers * cpus_per_worker))
         self.cpus_per_worker = cpus_per_worker
         self.ready_timeout = ready_timeout
         self.actors, self.runs, self._pids = [], [], []
@@ -197,10 +201,10 @@ class RayExecutor(TensorParallelExecutor):
             self.group = None
 
 
-def create_executor(backend: str) -> TensorParallelExecutor:
+def create_executor(backend: str, num_workers: int) -> TensorParallelExecutor:
     if backend == "mp":
         return MultiprocessingExecutor()
     if backend == "ray":
-        return RayExecutor()
+        return RayExecutor(num_workers)
     raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                      f"got {backend!r}")

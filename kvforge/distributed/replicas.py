@@ -5,6 +5,7 @@ cluster's nodes), each reachable at its own URL for the router (dp_server.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import threading
 import time
@@ -120,7 +121,9 @@ class RayReplicas(Replicas):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from kvforge.distributed.executor import ensure_ray
-        self.ray = ray = ensure_ray()
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
+        # a replica's own tensor-parallel workers take slots of their own
+        self.ray = ray = ensure_ray(math.ceil(n * (cpus_per_replica + tp - 1)))
         self.group = placement_group([{"CPU": cpus_per_replica}] * n, strategy="SPREAD")
         if not ray.wait([self.group.ready()], timeout=ready_timeout)[0]:
             raise RuntimeError(f"the Ray cluster has no room for {n} replicas of "

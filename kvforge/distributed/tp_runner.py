@@ -50,7 +50,7 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, join_timeout: float = 600.0) -> None:
         self.world_size = n = config.tensor_parallel_size
         self.error: WorkerDiedError | None = None
-        self.executor = create_executor(config.distributed_executor_backend)
+        self.executor = create_executor(config.distributed_executor_backend, n - 1)
         host = self.executor.host()
         self.store = open_store(host, n)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"

@@ -12,6 +12,7 @@ broadcasts only the step's inputs, and every worker runs the same forward on its
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -49,6 +50,8 @@ def run_worker(spec: WorkerSpec) -> None:
     """The worker's whole life; a failure is written to the store (for the driver's error
     message) before the process exits."""
     torch.set_num_threads(spec.num_threads)
+    if spec.backend == "nccl":             # one GPU per rank on a node
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     store = connect_store(spec.store_host, spec.store_port, spec.world_size)
     try:
         store.set(joined_key(spec.rank), str(os.getpid()))
@@ -76,13 +79,14 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
         kind = cmd[0]
         if kind == "forward":
             _, ids, positions, meta = cmd
-            hidden = model(ids, positions, kv_caches, meta)
+            hidden = model(ids.to(comm.device), positions.to(comm.device), kv_caches,
+                           _on_device(meta, comm.device))
         elif kind == "logits":
             rows = comm.broadcast(torch.empty(cmd[1], dtype=hidden.dtype, device=comm.device))
             model.compute_logits(rows)
         elif kind == "copy_blocks":
-            src = torch.tensor([s for s, _ in cmd[1]])
-            dst = torch.tensor([d for _, d in cmd[1]])
+            src = torch.tensor([s for s, _ in cmd[1]], device=comm.device)
+            dst = torch.tensor([d for _, d in cmd[1]], device=comm.device)
             for cache in kv_caches:
                 cache[:, dst] = cache[:, src]
         elif kind == "init_cache":
@@ -94,6 +98,16 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+
+
+def _on_device(meta, device: torch.device):
+    """The attention metadata with its tensors on this rank's device (unpickled tensors land
+    on the device they left from: rank 0's)."""
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            setattr(meta, f.name, value.to(device))
+    return meta
 
 
 def worker_main(spec: WorkerSpec) -> None:

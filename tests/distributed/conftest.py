@@ -1,10 +1,10 @@
-"""One Ray instance for the module that asks for it (starting Ray takes seconds)."""
+"""One Ray instance for the tests of this package that ask for it (starting Ray takes seconds)."""
 from __future__ import annotations
 
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_instance():
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvforge[ray]')")
     started = not ray.is_initialized()
