@@ -6,9 +6,11 @@ docs/distributed.md).
     python benchmarks/distributed.py --quick                 # functional run: tiny sizes
     python benchmarks/distributed.py --nodes 4 --cores-per-node 32 --net-gbps 25
 
-1. All-reduce (gloo, ``--ranks`` processes over loopback) by message size: median latency and
-   bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic), fitted to the ring
-   formula's latency a and bandwidth b; the per-step input broadcast (pickled object) too.
+1. All-reduce by message size, ``--ranks`` processes: gloo over loopback (what tensor parallel
+   uses) and a shared-memory all-reduce (benchmarks/shm_allreduce.py, spinning waits): median
+   latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
+   fitted to the ring formula's latency a and bandwidth b; the per-step input broadcast
+   (pickled object) too.
 2. This machine's parameters: read bandwidth with every core and with one, one core's GEMM
    FLOP/s.
 3. Decode throughput, ``--batch`` greedy requests of ``--prompt-len`` random tokens and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import pickle
 import random
 import statistics
@@ -41,6 +44,7 @@ from benchmarks.distributed_cost import ClusterSpec, decode_step, fit_allreduce
 from benchmarks.hardware import ReadBandwidthSampler, hardware_line, measure_gemm_peak_flops, physical_cores
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table, write_json
+from benchmarks.shm_allreduce import ShmAllReduce
 
 DEFAULT_SIZES = [4, 64, 1024, 16 << 10, 256 << 10, 4 << 20, 16 << 20]
 QUICK_SIZES = [4, 1024, 64 << 10]
@@ -73,24 +77,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- 1. collectives
+def _median_seconds(fn, reps: int) -> float:
+    fn()                                               # warm-up: connections, buffers
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _collective_rank(rank: int, ranks: int, port: int, sizes: list[int], reps: int,
-                     results, store=None) -> None:
-    """One rank of the all-reduce table; rank 0 (given the store it serves) puts the medians
-    on ``results``."""
+                     results, shm_name: str, store=None, shm=None) -> None:
+    """One rank of the all-reduce tables (gloo, shared memory); rank 0 (given the store it
+    serves and the shared-memory file it made) puts the medians on ``results``."""
     from kvforge.distributed.comm import CommGroup, connect_store
     torch.set_num_threads(1)
     store = store or connect_store("127.0.0.1", port, ranks)
     comm = CommGroup(store, rank, ranks, bind_host="127.0.0.1")
+    shm = shm or ShmAllReduce(shm_name, rank, ranks, max(sizes), create=False)
     table = {}
     for size in sizes:
         t = torch.ones(max(1, size // 4))
-        comm.all_reduce(t)                             # warm-up: connections, buffers
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            comm.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        table[size] = statistics.median(times)
+        table[size] = (_median_seconds(lambda: comm.all_reduce(t), reps),
+                       _median_seconds(lambda: shm.all_reduce(t), reps))
     # a step's inputs as the tensor-parallel driver sends them
     step_input = ("forward", torch.arange(8), torch.arange(8), {"block_tables": [[0, 1, 2]] * 8})
     times = []
@@ -102,23 +112,29 @@ def _collective_rank(rank: int, ranks: int, port: int, sizes: list[int], reps: i
         results.put((table, statistics.median(times), len(pickle.dumps(step_input))))
 
 
-def collective_table(ranks: int, sizes: list[int], reps: int) -> tuple[dict[int, float], float, int]:
-    """({bytes: median all-reduce seconds}, median step-input broadcast seconds, its bytes)."""
+def collective_table(ranks: int, sizes: list[int], reps: int
+                     ) -> tuple[dict[int, tuple[float, float]], float, int]:
+    """({bytes: median all-reduce seconds (gloo, shared memory)}, median step-input broadcast
+    seconds, its bytes)."""
     from kvforge.distributed.comm import open_store
     ctx = mp.get_context("spawn")
     store = open_store("127.0.0.1", ranks)
+    shm_name = f"kvforge-bench-allreduce-{os.getpid()}"
+    shm = ShmAllReduce(shm_name, 0, ranks, max(sizes), create=True)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_collective_rank,
-                         args=(r, ranks, store.port, sizes, reps, results), daemon=True)
+    procs = [ctx.Process(target=_collective_rank, daemon=True,
+                         args=(r, ranks, store.port, sizes, reps, results, shm_name))
              for r in range(1, ranks)]
     for p in procs:
         p.start()
     try:
-        _collective_rank(0, ranks, store.port, sizes, reps, results, store=store)
+        _collective_rank(0, ranks, store.port, sizes, reps, results, shm_name, store=store,
+                         shm=shm)
         return results.get(timeout=600)
     finally:
         for p in procs:
             p.join(30)
+        shm.close()
 
 
 # ---------------------------------------------------------------- 3. engines
@@ -189,11 +205,14 @@ def main(argv=None) -> int:
     shape = ModelShape.from_config(source.config)
 
     table, bcast_s, bcast_bytes = collective_table(args.ranks, args.size_list, args.reps)
-    rows = [[f"{size:,}", t * 1e6, 2 * (args.ranks - 1) / args.ranks * size / t / 1e9]
-            for size, t in table.items()]
-    print(f"\nall-reduce, gloo, {args.ranks} ranks over loopback, median of {args.reps}")
-    print(format_table(["bytes", "latency us", "bus GB/s"], rows))
-    link_a, link_b = fit_allreduce(list(table), list(table.values()), args.ranks)
+    bus = lambda size, t: 2 * (args.ranks - 1) / args.ranks * size / t / 1e9   # noqa: E731
+    rows = [[f"{size:,}", gloo * 1e6, bus(size, gloo), shm * 1e6, bus(size, shm)]
+            for size, (gloo, shm) in table.items()]
+    print(f"\nall-reduce, {args.ranks} ranks: gloo over loopback vs shared memory "
+          f"(benchmarks/shm_allreduce.py), median of {args.reps}")
+    print(format_table(["bytes", "gloo us", "gloo bus GB/s", "shm us", "shm bus GB/s"], rows))
+    gloo_times = [gloo for gloo, _ in table.values()]
+    link_a, link_b = fit_allreduce(list(table), gloo_times, args.ranks)
     print(f"ring fit: a = {link_a * 1e6:.1f} us per hop, b = {link_b / 1e9:.2f} GB/s; "
           f"step-input broadcast ({bcast_bytes} B pickled): {bcast_s * 1e6:.0f} us")
 
@@ -271,7 +290,7 @@ def main(argv=None) -> int:
               f"{k} {v['tok_s']:.1f} tok/s (model {v['predicted_tok_s']:.1f})"
               for k, v in results.items()))
     if args.json:
-        write_json(args.json, {"allreduce_seconds": table, "ring_a": link_a, "ring_b": link_b,
+        write_json(args.json, {"allreduce_seconds_gloo_shm": table, "ring_a": link_a, "ring_b": link_b,
                                "broadcast_object_seconds": bcast_s, "node_bw": node_bw,
                                "core_bw": core_bw, "core_flops": core_flops, "runs": results,
                                "what_if": what_if})

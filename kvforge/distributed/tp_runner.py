@@ -50,15 +50,21 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, join_timeout: float = 600.0) -> None:
         self.world_size = n = config.tensor_parallel_size
         self.error: WorkerDiedError | None = None
+        self._closed = False
         self.executor = create_executor(config.distributed_executor_backend, n - 1)
         host = self.executor.host()
         self.store = open_store(host, n)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
-        self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
-                                        threads_per_rank(config), backend)
-                             for rank in range(1, n)])
-        self._wait_joined(join_timeout)
-        self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
+        try:
+            self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
+                                            threads_per_rank(config), backend)
+                                 for rank in range(1, n)])
+            self._wait_joined(join_timeout)
+            self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
+        except BaseException:
+            self._closed = True
+            self.executor.stop(timeout=0.0)     # the ones started: nothing waits for them
+            raise
 
     def _wait_joined(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -102,7 +108,7 @@ class TensorParallelGroup:
         self.guard(self.comm.broadcast_object, cmd)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if self.error is None and not self.executor.dead_workers():
