@@ -6,11 +6,14 @@
               header x-kvforge-replica: i
               GET /metrics: every replica's metrics with a label replica="i", plus the router's
               GET /health: 200 when every replica answers its own /health
+              a replica that refuses connections is routed around (the request goes to
+              another), until /health finds it answering again
               GET /v1/models, POST /tokenize, /detokenize: replica 0 (all serve one model)
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -93,14 +96,22 @@ def create_router_app(urls: list[str], router_config: RouterConfig | None = None
 
     async def send(replica: int, method: str, path: str, request: Request, content: bytes | None,
                    stream: bool) -> httpx.Response:
+        """The replica's response; httpx.ConnectError when it cannot be reached (nothing was
+        sent: safe to send elsewhere), OpenAIError 503 when it failed later."""
         client = state["client"]
         try:
             req = client.build_request(method, urls[replica] + path, content=content,
                                        headers=headers_of(request))
             return await client.send(req, stream=stream)
+        except httpx.ConnectError:
+            raise
         except httpx.HTTPError as e:
             raise OpenAIError(503, f"replica {replica} ({urls[replica]}) is unreachable: "
                                    f"{type(e).__name__}: {e}") from e
+
+    def finished(replica: int) -> None:
+        router.finished(replica)
+        metrics.load.labels(str(replica)).dec()
 
     async def generate(path: str, request: Request) -> Response:
         raw = await request.body()
@@ -109,20 +120,27 @@ def create_router_app(urls: list[str], router_config: RouterConfig | None = None
         except ValueError:
             body = None                          # the replica answers with the 400
         text = routing_text(path, body) if isinstance(body, dict) else ""
-        replica, reason = router.route(text)
-        metrics.routed.labels(str(replica), reason).inc()
-        metrics.load.labels(str(replica)).inc()
-
-        def done() -> None:
-            router.finished(replica)
-            metrics.load.labels(str(replica)).dec()
-
+        while True:
+            try:
+                replica, reason = router.route(text)
+            except RuntimeError as e:
+                raise OpenAIError(503, str(e)) from e
+            metrics.routed.labels(str(replica), reason).inc()
+            metrics.load.labels(str(replica)).inc()
+            done = functools.partial(finished, replica)
+            try:
+                resp = await send(replica, "POST", path, request, raw, stream=True)
+                break
+            except httpx.ConnectError as e:
+                # the replica is gone: route around it from now on (GET /health brings it
+                # back once it answers)
+                logger.warning("replica %d (%s) is unreachable: %s", replica, urls[replica], e)
+                router.mark_down(replica)
+                done()
+            except BaseException:
+                done()
+                raise
         headers = {REPLICA_HEADER: str(replica)}
-        try:
-            resp = await send(replica, "POST", path, request, raw, stream=True)
-        except BaseException:
-            done()
-            raise
         if not (isinstance(body, dict) and body.get("stream")):
             try:
                 content = await resp.aread()
@@ -146,7 +164,10 @@ def create_router_app(urls: list[str], router_config: RouterConfig | None = None
 
     async def forward_to_first(method: str, path: str, request: Request) -> Response:
         content = await request.body() if method == "POST" else None
-        resp = await send(0, method, path, request, content, stream=False)
+        try:
+            resp = await send(0, method, path, request, content, stream=False)
+        except httpx.ConnectError as e:
+            raise OpenAIError(503, f"replica 0 ({urls[0]}) is unreachable: {e}") from e
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))
 
@@ -177,9 +198,12 @@ def create_router_app(urls: list[str], router_config: RouterConfig | None = None
 
     @app.get("/health")
     async def health():
-        bad = [f"replica {i}: {r if isinstance(r, Exception) else r.status_code}"
-               for i, r in enumerate(await each_replica("/health"))
-               if isinstance(r, Exception) or r.status_code != 200]
+        bad = []
+        for i, r in enumerate(await each_replica("/health")):
+            if isinstance(r, Exception) or r.status_code != 200:
+                bad.append(f"replica {i}: {r if isinstance(r, Exception) else r.status_code}")
+            else:
+                router.mark_up(i)
         if bad:
             raise OpenAIError(503, "unhealthy replicas: " + "; ".join(bad))
         return {"status": "ok", "replicas": len(urls)}

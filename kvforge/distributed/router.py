@@ -7,7 +7,8 @@
     else the least loaded replica (ties: the one holding the least text, most room to cache)
 
 Load is the number of requests a replica is serving now (sent, not yet finished). Every
-routed text is recorded in the ``PrefixTree`` under the replica it went to.
+routed text is recorded in the ``PrefixTree`` under the replica it went to. A replica marked
+down (unreachable) is left out until marked up again.
 """
 from __future__ import annotations
 
@@ -43,21 +44,32 @@ class CacheAwareRouter:
         self.config = config or RouterConfig()
         self.tree = PrefixTree()
         self.loads = [0] * num_replicas
+        self.down: set[int] = set()         # unreachable replicas: routed around
+
+    def mark_down(self, replica: int) -> None:
+        self.down.add(replica)
+
+    def mark_up(self, replica: int) -> None:
+        self.down.discard(replica)
 
     def route(self, text: str) -> tuple[int, str]:
         """(replica, why: 'cache' | 'balance' | 'load') for a request about to be sent; the
-        caller calls ``finished(replica)`` when it is done."""
+        caller calls ``finished(replica)`` when it is done. RuntimeError when every replica
+        is down."""
         c = self.config
-        hi, lo = max(self.loads), min(self.loads)
+        live = [r for r in range(self.num_replicas) if r not in self.down]
+        if not live:
+            raise RuntimeError(f"all {self.num_replicas} replicas are unreachable")
+        hi, lo = max(self.loads[r] for r in live), min(self.loads[r] for r in live)
         if hi - lo > c.balance_abs_threshold and hi > lo * c.balance_rel_threshold:
-            replica, why = self._least_loaded(), "balance"
+            replica, why = self._least_loaded(live), "balance"
         else:
-            matched = self.tree.match(text)
+            matched = {r: n for r, n in self.tree.match(text).items() if r not in self.down}
             best = max(matched.items(), key=lambda kv: (kv[1], -self.loads[kv[0]]), default=None)
             if best is not None and text and best[1] / len(text) > c.cache_threshold:
                 replica, why = best[0], "cache"
             else:
-                replica, why = self._least_loaded(), "load"
+                replica, why = self._least_loaded(live), "load"
         self.tree.insert(text, replica)
         self.tree.evict(replica, c.max_tree_chars)
         self.loads[replica] += 1
@@ -66,9 +78,8 @@ class CacheAwareRouter:
     def finished(self, replica: int) -> None:
         self.loads[replica] -= 1
 
-    def _least_loaded(self) -> int:
-        return min(range(self.num_replicas),
-                   key=lambda r: (self.loads[r], self.tree.chars.get(r, 0), r))
+    def _least_loaded(self, live: list[int]) -> int:
+        return min(live, key=lambda r: (self.loads[r], self.tree.chars.get(r, 0), r))
 
 
 def routing_text(path: str, body: dict[str, Any]) -> str:

@@ -96,3 +96,16 @@ def test_routing_text_keeps_conversation_prefixes():
 def test_bad_router_config_is_refused(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
         RouterConfig(**kwargs)
+
+
+def test_down_replicas_are_routed_around_until_up():
+    router = CacheAwareRouter(2)
+    text = "cached on replica zero " * 4
+    assert router.route(text)[0] == 0
+    router.mark_down(0)
+    assert router.route(text) == (1, "load")
+    router.mark_down(1)
+    with pytest.raises(RuntimeError, match="all 2 replicas are unreachable"):
+        router.route(text)
+    router.mark_up(0)
+    assert router.route(text) == (0, "cache")
