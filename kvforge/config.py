@@ -79,6 +79,10 @@ class EngineConfig:
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4
+    # tensor parallel (kvforge/distributed): the model sliced over this many ranks, one process
+    # each; workers are local processes (mp) or Ray actors (ray; RAY_ADDRESS for a cluster)
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -127,6 +131,9 @@ class EngineConfig:
             if self.quantization not in available_quantizations():
                 raise ValueError(f"unknown quantization {self.quantization!r}; known: "
                                  f"{['auto', 'none'] + available_quantizations()}")
+
+        from kvforge.distributed.config import validate_parallel_args
+        validate_parallel_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

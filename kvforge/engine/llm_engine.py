@@ -20,7 +20,7 @@ from kvforge.attention.window_setup import (STREAMING_MAX_MODEL_LEN, log_prefix_
 from kvforge.config import EngineConfig
 from kvforge.detokenizer import IncrementalDetokenizer
 from kvforge.engine.decode_steps import plan_decode_steps
-from kvforge.engine.model_runner import ModelRunner
+from kvforge.distributed.tp_runner import create_model_runner
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvforge.engine.request import Request
 from kvforge.engine.stop_checker import StopChecker
@@ -75,7 +75,9 @@ def default_num_threads() -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        # tensor parallel: the cores are shared out among the ranks
+        torch.set_num_threads(config.num_threads
+                              or max(1, default_num_threads() // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
         source = load_model_source(config.model)
         self.model_config = source.config
@@ -89,7 +91,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
                              f"length {context}")
         self.max_model_len = config.max_model_len or context
-        self.runner = ModelRunner(config, source, self.max_model_len)
+        # one process, or rank 0 of a tensor-parallel group (distributed/tp_runner.py)
+        self.runner = create_model_runner(config, source, self.max_model_len)
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size,
             enable_prefix_caching=log_prefix_caching(window, config.enable_prefix_caching),
@@ -287,6 +290,10 @@ class LLMEngine:
                                    sum(s.request.num_swaps for s in group.seqs),
                                    sum(s.request.swapped_bytes for s in group.seqs)),
             deltas=deltas)
+
+    def shutdown(self) -> None:
+        """Stop what runs outside this process (tensor-parallel workers); idempotent."""
+        self.runner.shutdown()
 
     # --------------------------------------------------------------- debug
     def check_integrity(self) -> None:
