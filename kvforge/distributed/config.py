@@ -18,8 +18,9 @@ def validate_parallel_args(config: "EngineConfig") -> None:
                          f"got {config.distributed_executor_backend!r}")
     if n == 1:
         return
-    # what the slices do not run yet: each refused by name rather than run wrongly
-    if config.quantization not in (None, "", "none"):
+    # what the slices do not run yet: each refused by name rather than run wrongly ("auto",
+    # the default, takes what runs: float slices, a GGUF file dequantized)
+    if config.quantization not in (None, "", "none", "auto"):
         hint = (" (the native GGUF block path is not sliced yet; --quantization none runs a "
                 "GGUF file dequantized to float)" if config.quantization == "gguf" else "")
         raise ValueError(f"tensor parallel runs float weights only: quantization "

@@ -143,6 +143,12 @@ inline __m256 dot_u8(__m256i codes, const int8_t* x) {
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+// the same with each int16 pair sum multiplied by `scale` (int16 lanes) before the int32 sums
+inline __m256 scaled_dot_u8(__m256i codes, const int8_t* x, __m256i scale) {
+  const __m256i pairs =
+      _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale));
+}
 // 32 nibbles of 16 bytes: byte j -> codes j (low nibble) and j + 16 (high nibble)
 inline __m256i nibbles_32(const uint8_t* p) {
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -172,9 +178,9 @@ inline float hsum_ps(__m256 v) {
 struct Q8_0Kernel {
   template <int R>
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / 32; ++b) {
+    __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, __m256* acc) {
       const uint8_t* blk = row + 34 * b;
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       const __m256i w_abs = _mm256_sign_epi8(w, w);
@@ -186,8 +192,14 @@ struct Q8_0Kernel {
         const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
         acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
       }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= k / 32; b += 2) {
+      block(b, even);
+      block(b + 1, odd);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
+    if (b < k / 32) block(b, even);
+    for (int r = 0; r < R; ++r) out[r] = hsum_ps(_mm256_add_ps(even[r], odd[r]));
   }
 };
 
@@ -199,10 +211,10 @@ struct LegacyKernel {
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
     constexpr int kCodes = (HasMin ? 4 : 2) + (FifthBit ? 4 : 0);   // offset of qs
     constexpr float kZero = FifthBit ? 16.f : 8.f;                  // the signed types' zero
-    __m256 acc[R];
+    __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
     float offsets[R] = {};
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / 32; ++b) {
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, __m256* acc) {
       const uint8_t* blk = row + Bytes * b;
       __m256i codes = nibbles_32(blk + kCodes);
       if constexpr (FifthBit) codes = _mm256_or_si256(codes, fifth_bits_32(blk + kCodes - 4));
@@ -214,8 +226,14 @@ struct LegacyKernel {
                                  _mm256_mul_ps(dv, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
         offsets[r] += offset * a[r].s32[b];
       }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= k / 32; b += 2) {
+      block(b, even);
+      block(b + 1, odd);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]) + offsets[r];
+    if (b < k / 32) block(b, even);
+    for (int r = 0; r < R; ++r) out[r] = hsum_ps(_mm256_add_ps(even[r], odd[r])) + offsets[r];
   }
 };
 
@@ -243,22 +261,28 @@ struct K4Kernel {
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
     constexpr int64_t kBytes = FifthBit ? 176 : 144, kQs = FifthBit ? 48 : 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-    alignas(32) float scale[8];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    alignas(16) int16_t scale[8];
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + kBytes * sb;
       const __m128i sm = k_scales_mins(blk + 4);
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+      // the 6-bit scales as int16 (madd multiplies each pair sum by its sub-block's scale, so
+      // the float work per 32 weights is one conversion and one FMA); the super-block's d
+      // multiplies once per 256 weights
+      _mm_store_si128(reinterpret_cast<__m128i*>(scale), _mm_cvtepu8_epi16(sm));
       const __m256 m = _mm256_mul_ps(
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
           _mm256_set1_ps(fp16_at(blk + 2)));
-      _mm256_store_ps(scale, _mm256_mul_ps(s, _mm256_set1_ps(fp16_at(blk))));
-      for (int r = 0; r < R; ++r)
-        mins[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a[r].s32 + 8 * sb), mins[r]);
+      const __m256 d = _mm256_set1_ps(fp16_at(blk));
       const uint8_t* qs = blk + kQs;
       __m256i qh;
       if constexpr (FifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      // two FMA chains per row (low and high nibbles): at one row a single chain's ~4-cycle
+      // FMA latency would bound the loop; every row count sums in the same order, so a row
+      // gets the same bits in a group as alone
+      __m256 part[R], part_hi[R];
+      for (int r = 0; r < R; ++r) part[r] = part_hi[r] = _mm256_setzero_ps();
       for (int c = 0; c < 4; ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
         __m256i lo = _mm256_and_si256(raw, low4);
@@ -272,19 +296,23 @@ struct K4Kernel {
           hi = _mm256_or_si256(hi, _mm256_and_si256(
               _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
         }
-        const __m256 s_lo = _mm256_broadcast_ss(scale + 2 * c);
-        const __m256 s_hi = _mm256_broadcast_ss(scale + 2 * c + 1);
+        const __m256i s_lo = _mm256_set1_epi16(scale[2 * c]);
+        const __m256i s_hi = _mm256_set1_epi16(scale[2 * c + 1]);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a[r].q + 256 * sb + 64 * c;
           const float* dv = a[r].dv + 64 * sb + 16 * c;
-          acc[r] = _mm256_fmadd_ps(dot_u8(lo, x), _mm256_mul_ps(s_lo, _mm256_loadu_ps(dv)),
-                                   acc[r]);
-          acc[r] = _mm256_fmadd_ps(dot_u8(hi, x + 32),
-                                   _mm256_mul_ps(s_hi, _mm256_loadu_ps(dv + 8)), acc[r]);
+                    part[r] = _mm256_fmadd_ps(scaled_dot_u8(lo, x, s_lo), _mm256_loadu_ps(dv), part[r]);
+          part_hi[r] = _mm256_fmadd_ps(scaled_dot_u8(hi, x + 32, s_hi),
+                                       _mm256_loadu_ps(dv + 8), part_hi[r]);
         }
       }
+      for (int r = 0; r < R; ++r) {
+        part[r] = _mm256_add_ps(part[r], part_hi[r]);
+        acc[r] = _mm256_fmadd_ps(part[r], d, acc[r]);
+        acc[r] = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a[r].s32 + 8 * sb), acc[r]);
+      }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]) - hsum_ps(mins[r]);
+    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
   }
 };
 
@@ -299,22 +327,26 @@ struct Q6KKernel {
   template <int R>
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
-    __m256 acc[R], zeros[R];
-    for (int r = 0; r < R; ++r) acc[r] = zeros[r] = _mm256_setzero_ps();
-    alignas(32) float scale[16];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    alignas(32) int16_t scale[16];
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + 210 * sb;
       const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-      const __m256 d = _mm256_set1_ps(fp16_at(blk + 208));
-      const __m256 s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
-      const __m256 s_hi =
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
-      _mm256_store_ps(scale, s_lo);
-      _mm256_store_ps(scale + 8, s_hi);
-      // the zero point: -32 * sum_i d * scale_i * s16_i
+      _mm256_store_si256(reinterpret_cast<__m256i*>(scale), _mm256_cvtepi8_epi16(sc8));
+      const float d_scalar = fp16_at(blk + 208);
+      const __m256 d = _mm256_set1_ps(d_scalar);
+      // the zero point: -32 d sum_i scale_i s16_i
+      const __m256 z = _mm256_set1_ps(-32.f * d_scalar);
+      const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
+      const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+      __m256 part[R], part_odd[R];           // two FMA chains (see K4Kernel)
       for (int r = 0; r < R; ++r) {
-        zeros[r] = _mm256_fmadd_ps(s_lo, _mm256_loadu_ps(a[r].s16 + 16 * sb), zeros[r]);
-        zeros[r] = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(a[r].s16 + 16 * sb + 8), zeros[r]);
+        part_odd[r] = _mm256_setzero_ps();
+        __m256 zero = _mm256_mul_ps(s_lo, _mm256_loadu_ps(a[r].s16 + 16 * sb));
+        zero = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(a[r].s16 + 16 * sb + 8), zero);
+        acc[r] = _mm256_fmadd_ps(zero, z, acc[r]);
+        part[r] = _mm256_setzero_ps();
       }
       for (int h = 0; h < 2; ++h) {
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
@@ -334,16 +366,22 @@ struct Q6KKernel {
         };
         for (int g = 0; g < 4; ++g) {
           const int blk32 = 4 * h + g;                      // 32-block in the super-block
-          const __m256 s = _mm256_set_m128(_mm_broadcast_ss(scale + 2 * blk32 + 1),
-                                           _mm_broadcast_ss(scale + 2 * blk32));
+          // int16 lanes 0..7 (bytes 0..15) take scale 2 blk32, lanes 8..15 scale 2 blk32 + 1
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(scale[2 * blk32 + 1]),
+                                             _mm_set1_epi16(scale[2 * blk32]));
+          __m256* chain = g % 2 ? part_odd : part;     // g is unrolled: a fixed choice
           for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(
-                dot_u8(codes[g], a[r].q + 256 * sb + 32 * blk32),
-                _mm256_mul_ps(s, _mm256_loadu_ps(a[r].dv + 64 * sb + 8 * blk32)), acc[r]);
+            chain[r] = _mm256_fmadd_ps(
+                scaled_dot_u8(codes[g], a[r].q + 256 * sb + 32 * blk32, s),
+                _mm256_loadu_ps(a[r].dv + 64 * sb + 8 * blk32), chain[r]);
         }
       }
+      for (int r = 0; r < R; ++r) {
+        part[r] = _mm256_add_ps(part[r], part_odd[r]);
+        acc[r] = _mm256_fmadd_ps(part[r], d, acc[r]);
+      }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]) - 32.f * hsum_ps(zeros[r]);
+    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
   }
 };
 #endif  // __AVX2__
