@@ -14,6 +14,7 @@ reload does not recalibrate.
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -42,7 +43,13 @@ def get_quantization_config(name: str, **kwargs: Any) -> "QuantizationConfig | N
     _import_builtin()
     if name not in _QUANT_CONFIGS:
         raise ValueError(f"unknown quantization {name!r}; known: {['none'] + sorted(_QUANT_CONFIGS)}")
-    return _QUANT_CONFIGS[name](**kwargs)
+    cls = _QUANT_CONFIGS[name]
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:   # a TypeError from the constructor would not say which options exist
+        raise ValueError(f"quantization {name!r} has no option {unknown[0]!r}; its options: "
+                         f"{accepted}")
+    return cls(**kwargs)
 
 
 def _import_builtin() -> None:

@@ -90,20 +90,25 @@ def lm_head_method(choice: str, prefix: str) -> LinearMethod | None:
 @register_quantization("int8")
 class Int8Config(QuantizationConfig):
     """Every linear layer, the LM head included unless ``lm_head="none"``, and MoE experts
-    (per expert, per output channel; quant/moe_experts.py). MoE routers stay float."""
+    (per expert, per output channel; quant/moe_experts.py). MoE routers stay float.
+    ``lorc_rank``: LoRC low-rank compensation of the linear layers (lowrank.py; 0 = off)."""
 
-    def __init__(self, lm_head: str = "int8") -> None:
+    def __init__(self, lm_head: str = "int8", lorc_rank: int = 0) -> None:
+        from kvforge.quant.lowrank import check_lorc_rank
         lm_head_method(lm_head, "lm_head")
         self.lm_head = lm_head
+        self.lorc_rank = check_lorc_rank(lorc_rank)
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
+        from kvforge.quant.lowrank import with_lorc
         if is_lm_head(prefix):
-            return lm_head_method(self.lm_head, prefix)
-        return Int8LinearMethod()
+            return with_lorc(lm_head_method(self.lm_head, prefix), self.lorc_rank)
+        return with_lorc(Int8LinearMethod(), self.lorc_rank)
 
     def get_experts_method(self, prefix: str):
         from kvforge.quant.moe_experts import Int8ExpertsMethod
         return Int8ExpertsMethod()
 
     def describe(self) -> dict:
-        return {"lm_head": self.lm_head}
+        out = {"lm_head": self.lm_head}
+        return {**out, "lorc_rank": self.lorc_rank} if self.lorc_rank else out
