@@ -23,8 +23,6 @@ METHODS = {
     "fp4": ({"group_size": 32}, 0.3),
     "spqr": ({"bits": 3, "group_size": 16, "outlier_fraction": 0.01}, 0.4),
     "int4-lorc": ({"group_size": 32, "lorc_rank": 4}, 0.25),
-    "int8-lorc": ({"lorc_rank": 2}, 0.03),
-    "fp4-lorc": ({"group_size": 32, "lorc_rank": 4}, 0.3),
     "zeroquant-lorc": ({"group_size": 0, "lorc_rank": 4}, 0.03),
 }
 
