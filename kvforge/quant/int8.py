@@ -87,23 +87,27 @@ def lm_head_method(choice: str, prefix: str) -> LinearMethod | None:
     return Int8LinearMethod() if choice == "int8" else None
 
 
+def _lorc_mixin():
+    from kvforge.quant.lowrank import LoRCConfigMixin     # lowrank imports int8 lazily
+    return LoRCConfigMixin
+
+
 @register_quantization("int8")
-class Int8Config(QuantizationConfig):
+class Int8Config(_lorc_mixin(), QuantizationConfig):
     """Every linear layer, the LM head included unless ``lm_head="none"``, and MoE experts
     (per expert, per output channel; quant/moe_experts.py). MoE routers stay float.
-    ``lorc_rank``: LoRC low-rank compensation of the linear layers (lowrank.py; 0 = off)."""
+    ``lorc_rank``: LoRC low-rank compensation of the linear layers (lowrank.py; 0 = off),
+    ``lorc_act``: 1 weighs its factors by calibration activations."""
 
-    def __init__(self, lm_head: str = "int8", lorc_rank: int = 0) -> None:
-        from kvforge.quant.lowrank import check_lorc_rank
+    def __init__(self, lm_head: str = "int8", lorc_rank: int = 0, lorc_act: int = 0) -> None:
         lm_head_method(lm_head, "lm_head")
         self.lm_head = lm_head
-        self.lorc_rank = check_lorc_rank(lorc_rank)
+        self.init_lorc(lorc_rank, lorc_act)
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
-        from kvforge.quant.lowrank import with_lorc
         if is_lm_head(prefix):
-            return with_lorc(lm_head_method(self.lm_head, prefix), self.lorc_rank)
-        return with_lorc(Int8LinearMethod(), self.lorc_rank)
+            return self.lorc(lm_head_method(self.lm_head, prefix), prefix)
+        return self.lorc(Int8LinearMethod(), prefix)
 
     def get_experts_method(self, prefix: str):
         from kvforge.quant.moe_experts import Int8ExpertsMethod
@@ -111,4 +115,4 @@ class Int8Config(QuantizationConfig):
 
     def describe(self) -> dict:
         out = {"lm_head": self.lm_head}
-        return {**out, "lorc_rank": self.lorc_rank} if self.lorc_rank else out
+        return {**out, **self.lorc_args()}

@@ -14,6 +14,14 @@ block-diagonal ([n, S R], zeros off the shard's block), so one pair of matmuls s
 shard and each shard saves and reloads its own factors (``<name>.lorc_u`` [n_s, R],
 ``<name>.lorc_v`` [R, K]). Cost per layer: (n + K) R fp32 numbers per shard, e.g. 2.3% of the
 INT4 codes of a 576 x 1536 matrix at R = 8.
+
+Activation-aware factors (``lorc_act=1``): what matters is the output error E x, not E itself,
+and LLM inputs have a few channels far louder than the rest. With h_k = mean x_k^2 over the
+calibration tokens (quant/data/calibration.txt), E[U V] = E_x |(E - U V) x|^2 is
+|(E - U V) D|_F^2 for D = diag(sqrt(h)) if channels are uncorrelated, so the best rank-R
+factors are the SVD of E D, with V = V_r^T D^-1. The errors wait (fp32, one layer's worth per
+layer: the float model's size in all) until calibration has run the model (Q(W) without the
+correction) and recorded h; a saved model carries the factors and needs no calibration.
 """
 from __future__ import annotations
 
@@ -92,15 +100,38 @@ class LoRCRows:
                 f"{name}.lorc_v": self.v[s * r:(s + 1) * r]}
 
 
+HESSIAN_DAMP = 0.01        # h += 1% of its mean: no channel is weighed as if never used
+
+
+def activation_weighted_factors(error: torch.Tensor, sq_mean: torch.Tensor, rank: int
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` factors minimising the expected output error for inputs whose channels
+    have mean squares ``sq_mean`` [K] (module docstring)."""
+    h = sq_mean.float().clamp_min(0)
+    d = (h + HESSIAN_DAMP * h.mean() + 1e-12).sqrt()
+    u, v = low_rank_factors(error.float() * d, rank)
+    return u, (v / d).contiguous()
+
+
 class LoRCLinearMethod(LinearMethod):
     """Wraps a weight-only/W8A8 method: its storage and kernel, plus ``lorc_u`` [n, S r] and
-    ``lorc_v`` [S r, K] (S shards) created with the first weight shard."""
+    ``lorc_v`` [S r, K] (S shards) created with the first weight shard. With ``act_aware`` the
+    factors are computed by ``finish`` after calibration (``calibrate_lorc``)."""
 
-    def __init__(self, inner: LinearMethod, rank: int) -> None:
+    def __init__(self, inner: LinearMethod, rank: int, act_aware: bool = False) -> None:
         if check_lorc_rank(rank) == 0:
             raise ValueError("LoRCLinearMethod needs lorc_rank >= 1")
-        self.inner, self.rank = inner, rank
+        self.inner, self.rank, self.act_aware = inner, rank, act_aware
         self._factored: set[int] = set()
+        self._errors: dict[int, tuple[int, torch.Tensor]] = {}    # shard -> (offset, W - Q(W))
+        self.recording = False
+        self._sq_sum: torch.Tensor | None = None
+        self._num_rows = 0
+
+    @property
+    def pending(self) -> bool:
+        """Float errors loaded, factors not computed yet (awaiting calibration)."""
+        return bool(self._errors)
 
     def create_weights(self, layer, dtype, device):
         self.inner.create_weights(layer, dtype, device)
@@ -129,10 +160,13 @@ class LoRCLinearMethod(LinearMethod):
                 raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear "
                                  f"layer with input_size {layer.input_size}")
             rows = quantize_rows(self.inner, loaded)
-            u, v = low_rank_factors(loaded.float() - dequantize_rows(rows), self.rank)
-            # a shard narrower than the rank (tiny test models) pads its factors with zeros
-            u = torch.nn.functional.pad(u, (0, self.rank - u.shape[1]))
-            v = torch.nn.functional.pad(v, (0, 0, 0, self.rank - v.shape[0]))
+            error = loaded.float() - dequantize_rows(rows)
+            if self.act_aware:
+                self._errors[s] = (output_offset, error)
+                u = torch.zeros(loaded.shape[0], self.rank)
+                v = torch.zeros(self.rank, layer.input_size)
+            else:
+                u, v = _padded(*low_rank_factors(error, self.rank), self.rank)
         else:
             raise ValueError(f"LoRC layer got saved rows ({type(loaded).__name__}) without "
                              f"their low-rank factors")
@@ -144,18 +178,42 @@ class LoRCLinearMethod(LinearMethod):
         cols = slice(s * self.rank, (s + 1) * self.rank)
         layer.lorc_u[output_offset:output_offset + n, cols] = u
         layer.lorc_v[cols] = v
-        self._factored.add(s)
+        if not (self.act_aware and isinstance(loaded, torch.Tensor)):
+            self._factored.add(s)
         self.inner.load_weight(layer, kind, rows, output_offset)
 
     def process_weights_after_loading(self, layer):
         self.inner.process_weights_after_loading(layer)
-        if len(self._factored) != len(self._shards(layer)):
+        if len(self._factored) + len(self._errors) != len(self._shards(layer)):
             raise ValueError(f"LoRC got factors for {len(self._factored)} of "
                              f"{len(self._shards(layer))} weight shards")
+
+    def finish(self, layer) -> None:
+        """Activation-aware factors from the recorded input statistics. A layer calibration
+        does not reach (the LM head: calibration runs the decoder, never the logits) weighs
+        every channel alike, i.e. gets the plain SVD."""
+        if self._num_rows == 0:
+            sq_mean = torch.ones(layer.input_size)
+        else:
+            sq_mean = self._sq_sum / self._num_rows
+        for s, (offset, error) in sorted(self._errors.items()):
+            u, v = _padded(*activation_weighted_factors(error, sq_mean, self.rank), self.rank)
+            cols = slice(s * self.rank, (s + 1) * self.rank)
+            layer.lorc_u[offset:offset + error.shape[0], cols] = u
+            layer.lorc_v[cols] = v
+            self._factored.add(s)
+        self._errors, self._sq_sum, self._num_rows = {}, None, 0
 
     def apply(self, layer, x):
         y = self.inner.apply(layer, x)
         x2d = x.reshape(-1, layer.input_size).float()
+        if self.pending:
+            if not self.recording:
+                raise RuntimeError("activation-aware LoRC layer used before calibration")
+            sq = x2d.pow(2).sum(dim=0)
+            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+            self._num_rows += x2d.shape[0]
+            return y                                 # Q(W) x while calibrating
         correction = (x2d @ layer.lorc_v.t()) @ layer.lorc_u.t()
         return y + correction.to(y.dtype).view(y.shape)
 
@@ -168,8 +226,61 @@ class LoRCLinearMethod(LinearMethod):
         return self.inner.dequantize(layer) + layer.lorc_u @ layer.lorc_v
 
 
-def with_lorc(method: LinearMethod | None, rank: int) -> LinearMethod | None:
+def _padded(u: torch.Tensor, v: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shard narrower than the rank (tiny test models) pads its factors with zeros."""
+    return (torch.nn.functional.pad(u, (0, rank - u.shape[1])),
+            torch.nn.functional.pad(v, (0, 0, 0, rank - v.shape[0])))
+
+
+def with_lorc(method: LinearMethod | None, rank: int, act_aware: bool = False
+              ) -> LinearMethod | None:
     """``method`` wrapped in LoRC when ``rank`` > 0 (None: a float layer stays float)."""
     if method is None or rank == 0:
         return method
-    return LoRCLinearMethod(method, rank)
+    return LoRCLinearMethod(method, rank, act_aware)
+
+
+class LoRCConfigMixin:
+    """``lorc_rank`` / ``lorc_act`` options for a QuantizationConfig: wraps its methods, and
+    with ``lorc_act`` makes the config calibrate (record input statistics, then factor)."""
+
+    def init_lorc(self, lorc_rank, lorc_act) -> None:
+        self.lorc_rank = check_lorc_rank(lorc_rank)
+        if lorc_act not in (0, 1, True, False):
+            raise ValueError(f"lorc_act must be 0 or 1, got {lorc_act!r}")
+        self.lorc_act = bool(lorc_act) and self.lorc_rank > 0
+        self.needs_calibration = self.lorc_act
+        self.lorc_methods: dict[str, LoRCLinearMethod] = {}
+
+    def lorc(self, method: LinearMethod | None, prefix: str) -> LinearMethod | None:
+        wrapped = with_lorc(method, self.lorc_rank, self.lorc_act)
+        if isinstance(wrapped, LoRCLinearMethod):
+            self.lorc_methods[prefix] = wrapped
+        return wrapped
+
+    def lorc_args(self) -> dict:
+        """What ``describe`` adds (nothing when LoRC is off, so older saves read the same)."""
+        if not self.lorc_rank:
+            return {}
+        return {"lorc_rank": self.lorc_rank, "lorc_act": int(self.lorc_act)}
+
+    def calibrate(self, model, batches) -> None:
+        from kvforge.layers.linear import Linear
+        from kvforge.quant.calibration import run_calibration_forward
+        layers = [m for m in model.modules()
+                  if isinstance(m, Linear) and isinstance(m.method, LoRCLinearMethod)
+                  and m.method.pending]
+        if not layers:
+            return
+        for layer in layers:
+            layer.method.recording = True
+        try:
+            run_calibration_forward(model, batches)
+        finally:
+            for layer in layers:
+                layer.method.recording = False
+        for layer in layers:
+            layer.method.finish(layer)
+
+    def pending_layers(self) -> list[str]:
+        return [p for p, m in self.lorc_methods.items() if m.pending]

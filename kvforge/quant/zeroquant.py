@@ -37,7 +37,7 @@ from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
 from kvforge.quant.base import is_lm_head, load_bias_shard, register_quantization
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
-from kvforge.quant.lowrank import check_lorc_rank, with_lorc
+from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import register_row_format
 from kvforge.quant.w8a8_ops import INT8_MAX
 
@@ -255,15 +255,16 @@ class ZeroQuantLKDMethod(CalibratedLinearMethod):
 
 
 @register_quantization("zeroquant")
-class ZeroQuantConfig(CalibratedQuantConfig):
+class ZeroQuantConfig(LoRCConfigMixin, CalibratedQuantConfig):
     """``group_size``: input channels per weight scale (32, 64, 128, 256; 0 = per output
     channel); ``act_groups``: 1 quantizes activations per token and group, 0 per token;
     ``lkd_steps`` (0 = no distillation, no calibration), ``lkd_samples`` (input rows kept per
     layer), ``lkd_lr`` (Adam step, in units of the layer's mean quantization step);
-    ``lorc_rank`` (0 = off; not with LKD)."""
+    ``lorc_rank`` (0 = off; not with LKD), ``lorc_act`` (1: activation-aware factors)."""
 
     def __init__(self, group_size: int = 128, act_groups: int = 1, lkd_steps: int = 0,
-                 lkd_samples: int = 256, lkd_lr: float = 0.2, lorc_rank: int = 0) -> None:
+                 lkd_samples: int = 256, lkd_lr: float = 0.2, lorc_rank: int = 0,
+                 lorc_act: int = 0) -> None:
         super().__init__()
         if group_size not in ZEROQUANT_GROUP_SIZES:
             raise ValueError(f"zeroquant group_size must be one of {ZEROQUANT_GROUP_SIZES}, "
@@ -277,23 +278,32 @@ class ZeroQuantConfig(CalibratedQuantConfig):
             raise ValueError(f"zeroquant lkd_samples must be >= 1 with LKD, got {lkd_samples!r}")
         if not lkd_lr > 0:
             raise ValueError(f"zeroquant lkd_lr must be > 0, got {lkd_lr!r}")
-        self.lorc_rank = check_lorc_rank(lorc_rank)
+        self.init_lorc(lorc_rank, lorc_act)
         if lkd_steps and self.lorc_rank:
             raise ValueError(f"zeroquant lorc_rank={lorc_rank} cannot be combined with "
                              f"lkd_steps={lkd_steps} (LoRC factors the float weight's error at "
                              f"load; LKD chooses the codes later)")
         self.group_size, self.act_groups = group_size, bool(act_groups)
         self.lkd_steps, self.lkd_samples, self.lkd_lr = lkd_steps, lkd_samples, float(lkd_lr)
-        self.needs_calibration = lkd_steps > 0
+        self.needs_calibration = lkd_steps > 0 or self.lorc_act
+
+    def calibrate(self, model, batches) -> None:
+        if self.lorc_act:
+            LoRCConfigMixin.calibrate(self, model, batches)
+        else:
+            CalibratedQuantConfig.calibrate(self, model, batches)
+
+    def pending_layers(self) -> list[str]:
+        return LoRCConfigMixin.pending_layers(self) + CalibratedQuantConfig.pending_layers(self)
 
     def get_linear_method(self, prefix: str):
         if is_lm_head(prefix):
             return None
         if self.lkd_steps:
             return self.register_method(ZeroQuantLKDMethod(self, prefix, self.lkd_samples))
-        return with_lorc(ZeroQuantLinearMethod(self.group_size, self.act_groups), self.lorc_rank)
+        return self.lorc(ZeroQuantLinearMethod(self.group_size, self.act_groups), prefix)
 
     def describe(self) -> dict:
         return {"group_size": self.group_size, "act_groups": int(self.act_groups),
                 "lkd_steps": self.lkd_steps, "lkd_samples": self.lkd_samples,
-                "lkd_lr": self.lkd_lr, "lorc_rank": self.lorc_rank}
+                "lkd_lr": self.lkd_lr, **self.lorc_args()}

@@ -20,9 +20,9 @@ from tests.quant.test_weight_only_models import PROMPTS, _greedy, _logits
 METHODS = {
     "zeroquant": ({"group_size": 32}, 0.03),
     "zeroquant-lkd": ({"group_size": 32, "lkd_steps": 3, "lkd_samples": 64}, 0.03),
-    "fp4": ({"group_size": 32}, 0.3),
+    "fp4": ({"group_size": 32, "asymmetric": 1}, 0.3),
     "spqr": ({"bits": 3, "group_size": 16, "outlier_fraction": 0.01}, 0.4),
-    "int4-lorc": ({"group_size": 32, "lorc_rank": 4}, 0.25),
+    "int4-lorc": ({"group_size": 32, "lorc_rank": 4, "lorc_act": 1}, 0.25),
     "zeroquant-lorc": ({"group_size": 0, "lorc_rank": 4}, 0.03),
 }
 
@@ -94,7 +94,8 @@ def test_quantize_cli_then_reload_is_identical_and_close_to_fp32(
 
 
 @pytest.mark.parametrize("name,args", [("int4", {"group_size": 32}), ("fp4", {"group_size": 32}),
-                                       ("zeroquant", {"group_size": 0})])
+                                       ("zeroquant", {"group_size": 0}),
+                                       ("int4", {"group_size": 32, "lorc_act": 1})])
 def test_lorc_reduces_the_models_logit_error(tiny_model_factory, name, args):
     hf_dir, _ = tiny_model_factory("llama", initializer_range=0.1)
     source = load_model_source(hf_dir)

@@ -33,7 +33,8 @@ def test_fp4_codes_are_the_nearest_e2m1_values():
     assert FP4_TABLE[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     w = torch.tensor([[0.0, 0.2, 0.3, -0.74, 0.76, 2.4, 2.6, -5.1, 6.0, 5.0, -6.0, 1.2,
                        3.6, -0.1, 0.9, 4.9]] * 2)
-    codes, scale = quantize_fp4(w, 16)
+    codes, scale, offset = quantize_fp4(w, 16)
+    assert offset is None
     assert torch.equal(scale.float(), torch.ones(2, 1))             # max |w| = 6 -> scale 1
     # ties (5.0, midway between 4 and 6) go to the smaller magnitude; -0.1 -> -0
     expected = torch.tensor([0, 0, 0.5, -0.5, 1, 2, 3, -6, 6, 4, -6, 1, 4, 0, 1, 4])
@@ -49,6 +50,27 @@ def test_fp4_layer_matches_its_dequantized_weight():
     assert torch.allclose(layer(x), x @ deq.t() + layer.bias, atol=1e-5)
     searched = rel_err(FP4LinearMethod(32, 8).to_rows(w).dequantize(), w)
     assert searched < rel_err(FP4LinearMethod(32, 1).to_rows(w).dequantize(), w)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_fp4_rows_save_and_read_back(asymmetric):
+    from kvforge.quant.row_formats import read_registered_rows
+    w = random_weight(6, 40) + (0.1 if asymmetric else 0.0)       # groups off zero
+    rows = FP4LinearMethod(16, asymmetric=asymmetric).to_rows(w)
+    saved = rows.saved_tensors("m.q_proj", slice(2, 5))
+    marker = next(k for k in saved if k.endswith("codes")).rpartition(".")[2]
+    back = read_registered_rows(marker, saved.__getitem__, "m.q_proj")
+    assert torch.equal(back.dequantize(), rows.dequantize()[2:5])
+    assert (back.offset is not None) == asymmetric
+
+
+def test_fp4_offsets_help_groups_not_centred_on_zero():
+    w = random_weight(32, 128) + 0.08
+    plain = rel_err(FP4LinearMethod(32).to_rows(w).dequantize(), w)
+    layer = make_linear(w, FP4LinearMethod(32, asymmetric=True), bias=None)
+    assert rel_err(layer.method.dequantize(layer), w) < 0.7 * plain
+    x = torch.randn(3, 128)
+    assert torch.allclose(layer(x), x @ layer.method.dequantize(layer).t(), atol=1e-5)
 
 
 @pytest.mark.parametrize("act_groups", [True, False])
@@ -118,6 +140,25 @@ def test_lorc_factors_cut_the_weight_error_and_run_in_the_layer():
     expected = plain(x) + (x @ lorc.lorc_v.t()) @ lorc.lorc_u.t()
     assert torch.allclose(lorc(x), expected, atol=1e-5)
     assert rel_err(lorc(x), x @ w.t()) < rel_err(plain(x), x @ w.t())
+
+
+def test_activation_aware_lorc_cuts_the_output_error_more_where_channels_are_loud():
+    w, x = random_weight(64, 96), outlier_activations(256, 96, [4, 50, 77], outlier_scale=30.0)
+    errors = {}
+    for act_aware in (False, True):
+        method = LoRCLinearMethod(Int4LinearMethod(32), 4, act_aware=act_aware)
+        layer = make_linear(w, method)
+        if act_aware:
+            assert method.pending
+            with pytest.raises(RuntimeError, match="before calibration"):
+                layer(x)
+            method.recording = True
+            layer(x)
+            method.recording = False
+            method.finish(layer)
+            assert not method.pending
+        errors[act_aware] = rel_err(layer(x), x @ w.t())
+    assert errors[True] < 0.7 * errors[False], errors
 
 
 def test_spqr_keeps_the_configured_outlier_fraction_and_bits():
