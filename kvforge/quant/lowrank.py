@@ -43,10 +43,18 @@ def check_lorc_rank(rank: Any) -> int:
 
 def low_rank_factors(error: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The best rank-``rank`` approximation of ``error`` [n, K] as (U [n, r], V [r, K]), r =
-    min(rank, n, K); the singular values go into U. Exact SVD (deterministic; LAPACK's gesdd)."""
-    u, s, vh = torch.linalg.svd(error.float(), full_matrices=False)
-    r = min(rank, s.numel())
-    return (u[:, :r] * s[:r]).contiguous(), vh[:r].contiguous()
+    min(rank, n, K): the truncated SVD U_r S_r V_r^T, from the eigenvectors of the smaller Gram
+    matrix (V_r of E^T E, then U_r S_r = E V_r; or the transpose), eigh in float64. A full SVD
+    of a 49152 x 576 LM head costs minutes on a small CPU; its 576 x 576 Gram matrix does not."""
+    e = error.float()
+    r = min(rank, *e.shape)
+    if e.shape[0] >= e.shape[1]:
+        _, vecs = torch.linalg.eigh((e.t() @ e).double())      # ascending eigenvalues
+        v = vecs[:, -r:].flip(1).float()                        # [K, r], top first
+        return (e @ v).contiguous(), v.t().contiguous()
+    _, vecs = torch.linalg.eigh((e @ e.t()).double())
+    u = vecs[:, -r:].flip(1).float()                            # [n, r]
+    return u.contiguous(), (u.t() @ e).contiguous()
 
 
 def dequantize_rows(rows) -> torch.Tensor:
