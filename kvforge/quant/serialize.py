@@ -38,8 +38,7 @@ from kvforge.layers.linear import (Linear, MergedLinear, PackedRowsEmbedding,
                                    UnquantizedLinearMethod, dense_weight)
 from kvforge.layers.moe import EXPERT_SHARDS, FusedMoE, UnquantizedExpertsMethod
 from kvforge.quant import packing
-from kvforge.quant.calibration import (CalibratedLinearMethod, CalibratedQuantConfig,
-                                       InputScaledRows)
+from kvforge.quant.calibration import CalibratedLinearMethod, InputScaledRows
 from kvforge.quant.int4 import Int4Blocks
 from kvforge.quant.int8 import Int8Rows
 from kvforge.quant.lowrank import LoRCRows

@@ -12,6 +12,7 @@ from kvforge.layers.linear import Linear, UnquantizedLinearMethod
 from kvforge.loader.source import load_model_source
 from kvforge.quant.calibration import CalibratedQuantConfig
 from kvforge.quant.loading import load_model
+from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.serialize import read_saved_quantization
 from tests.quant.test_weight_only_models import PROMPTS, _greedy, _logits
 
@@ -48,6 +49,7 @@ def _no_requantization(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a saved model was quantized again")
     monkeypatch.setattr(CalibratedQuantConfig, "calibrate", refuse)
+    monkeypatch.setattr(LoRCConfigMixin, "calibrate", refuse)
     monkeypatch.setattr("kvforge.quant.lowrank.low_rank_factors", refuse)
 
 
