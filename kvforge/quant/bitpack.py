@@ -38,6 +38,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: uint8 [m, nbytes] -> uint8 codes [m, length]."""
     check_bits(bits)
     m = packed.shape[0]
+    if length % 8 == 0:
+        # 8 codes fill exactly ``bits`` bytes: read them as one little-endian integer and
+        # shift each code out (8x fewer elements than the bit stream below)
+        chunks = packed[:, :length * bits // 8].to(torch.int64).view(m, length // 8, bits)
+        word = (chunks << (8 * torch.arange(bits))).sum(dim=-1, keepdim=True)
+        codes = (word >> (bits * torch.arange(8))) & ((1 << bits) - 1)
+        return codes.view(m, length).to(torch.uint8)
     stream = ((packed.to(torch.int32)[..., None] >> torch.arange(8, dtype=torch.int32)) & 1)
     stream = stream.view(m, -1)[:, :length * bits].view(m, length, bits)
     return (stream * _BYTE_WEIGHTS[:bits]).sum(dim=-1).to(torch.uint8)

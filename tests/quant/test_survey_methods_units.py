@@ -20,11 +20,12 @@ from tests.quant.factories import make_linear, outlier_activations, random_weigh
 
 def test_bit_packing_round_trips_and_takes_exactly_the_bits():
     g = torch.Generator().manual_seed(0)
-    for bits in (1, 3, 4, 7):
-        codes = torch.randint(0, 2 ** bits, (5, 21), generator=g).to(torch.uint8)
-        packed = pack_bits(codes, bits)
-        assert packed.shape == (5, -(-21 * bits // 8))
-        assert torch.equal(unpack_bits(packed, bits, 21), codes)
+    for bits in (1, 3, 4, 7, 8):
+        for length in (21, 64):             # 64: whole words of 8 codes (the fast unpack)
+            codes = torch.randint(0, 2 ** bits, (5, length), generator=g).to(torch.uint8)
+            packed = pack_bits(codes, bits)
+            assert packed.shape == (5, -(-length * bits // 8))
+            assert torch.equal(unpack_bits(packed, bits, length), codes)
     with pytest.raises(ValueError, match="do not fit in 3 bits"):
         pack_bits(torch.tensor([[8]]), 3)
 
