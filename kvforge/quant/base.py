@@ -44,8 +44,10 @@ def get_quantization_config(name: str, **kwargs: Any) -> "QuantizationConfig | N
     if name not in _QUANT_CONFIGS:
         raise ValueError(f"unknown quantization {name!r}; known: {['none'] + sorted(_QUANT_CONFIGS)}")
     cls = _QUANT_CONFIGS[name]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    unknown = sorted(set(kwargs) - set(accepted))
+    params = inspect.signature(cls.__init__).parameters
+    accepted = [p for p in params if p != "self"]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [] if open_ended else sorted(set(kwargs) - set(accepted))
     if unknown:   # a TypeError from the constructor would not say which options exist
         raise ValueError(f"quantization {name!r} has no option {unknown[0]!r}; its options: "
                          f"{accepted}")
