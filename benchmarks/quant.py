@@ -57,20 +57,26 @@ def parse_method(spec: str) -> tuple[str, str, dict]:
 
 
 def perplexities(model, ids, token_counts: list[int], window: int = 512) -> dict[int, float]:
-    """Perplexity over the first N tokens for each N: one pass of disjoint windows up to the
-    largest N (the scoring of kvforge.eval.perplexity), read off at each N."""
+    """Perplexity over the first N tokens for each N (kvforge.eval.perplexity's disjoint
+    windows). A count that is a whole number of windows is read off the longest run, whose
+    first windows are exactly its windows; any other count is scored on its own."""
     import math
-    from kvforge.eval.perplexity import window_nll
+    from kvforge.eval.perplexity import perplexity, window_nll
+    longest = max(token_counts)
     out, total, count = {}, 0.0, 0
-    for start in range(0, max(token_counts), window):
-        w = ids[start:min(start + window, max(token_counts))]
+    for start in range(0, longest, window):
+        w = ids[start:min(start + window, longest)]
         if len(w) >= 2:
             nll, n = window_nll(model, w)
             total, count = total + nll, count + n
-        for n_tokens in token_counts:
-            if start + window >= n_tokens and n_tokens not in out:
-                out[n_tokens] = math.exp(total / count)
-    return out
+        if start + window in token_counts:
+            out[start + window] = math.exp(total / count)
+    out[longest] = math.exp(total / count)
+    for n_tokens in token_counts:
+        if n_tokens not in out:
+            out[n_tokens] = perplexity(model, ids, max_tokens=n_tokens, window=window,
+                                       progress=False).perplexity
+    return {n: out[n] for n in sorted(token_counts)}
 
 
 def load_and_score(model_path, name, args, ppl_ids, ppl_tokens: list[int]):
