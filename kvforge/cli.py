@@ -39,8 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="store paged K/V in 8 bits (4x the tokens of fp32 per byte)")
-    g.add_argument("--quantization", default="none",
-                   help="weight quantization: none, int8, int4, gguf, awq, ... (kvforge.quant)")
+    g.add_argument("--quantization", default="auto",
+                   help="weight quantization: auto (GGUF files run in their own blocks, other "
+                        "models as stored), none (GGUF dequantized to fp32), int8, int4, gguf, "
+                        "awq, ... (kvforge.quant)")
     g.add_argument("--quantization-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="option of the quantization method, e.g. group_size=128 (repeatable)")
     g.add_argument("--sparse-attention", default="none", choices=["none", "quest"],
@@ -68,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="multi-step decoding: a batch of greedy decodes with nothing waiting "
                         "runs up to this many steps per engine step (tokens stream in groups "
                         "of up to this many); 1 = off")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="slice the model over N ranks, one process each (Llama family, Qwen2; "
+                        "float weights)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="where tensor-parallel workers and data-parallel replicas run: local "
+                        "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -96,7 +104,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_draft_model=args.speculative_draft_model,
                 speculative_draft_layers=args.speculative_draft_layers,
-                num_decode_steps=args.num_decode_steps)
+                num_decode_steps=args.num_decode_steps,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

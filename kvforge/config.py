@@ -56,7 +56,9 @@ class EngineConfig:
     swap_prefetch: bool = True
     attention_backend: str = "paged"
     kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (paged backend)
-    quantization: str = "none"           # weight quantization method (kvforge.quant registry)
+    # weight quantization method (kvforge.quant registry); "auto": a GGUF file runs in its own
+    # blocks ("gguf") where the compiled kernels run, anything else as stored ("none")
+    quantization: str = "auto"
     quantization_args: dict | None = None  # its options, e.g. {"group_size": 128}
     num_threads: int | None = None       # torch intra-op threads; None = physical cores
     sparse_attention: str = "none"       # none | quest (attention/quest.py: sparse decode)
@@ -77,6 +79,10 @@ class EngineConfig:
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4
+    # tensor parallel (kvforge/distributed): the model sliced over this many ranks, one process
+    # each; workers are local processes (mp) or Ray actors (ray; RAY_ADDRESS for a cluster)
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -120,11 +126,14 @@ class EngineConfig:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.quantization_args is not None and not isinstance(self.quantization_args, dict):
             raise ValueError(f"quantization_args must be a dict, got {self.quantization_args!r}")
-        if self.quantization not in (None, "", "none"):
+        if self.quantization not in (None, "", "none", "auto"):
             from kvforge.quant.base import available_quantizations
             if self.quantization not in available_quantizations():
                 raise ValueError(f"unknown quantization {self.quantization!r}; known: "
-                                 f"{['none'] + available_quantizations()}")
+                                 f"{['auto', 'none'] + available_quantizations()}")
+
+        from kvforge.distributed.config import validate_parallel_args
+        validate_parallel_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

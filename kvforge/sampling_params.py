@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.structured.params import StructuredOutputParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,8 +32,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match this JSON schema / regex / choice / grammar (kvforge/structured);
+    # a dict of StructuredOutputParams' fields is accepted
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_output = StructuredOutputParams.from_value(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -62,6 +68,11 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.structured_output is not None and self.min_tokens > 0:
+            # the grammar decides where the output ends: once it allows only EOS, min_tokens
+            # would leave nothing to sample
+            raise ValueError(f"min_tokens ({self.min_tokens}) cannot be combined with "
+                             f"structured_output: the grammar decides where the output ends")
         if self.top_k == 0:
             self.top_k = -1
 

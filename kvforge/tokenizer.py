@@ -1,9 +1,11 @@
-"""Tokenizer: a thin wrapper over a transformers fast tokenizer with the engine's vocabulary.
+"""Tokenizer: a thin wrapper over a fast tokenizer with the engine's vocabulary.
 
 The engine needs ids in, text out, a chat template and the set of ids that end a generation.
 transformers does the real work (BPE, added tokens, jinja2 chat templates, GGUF vocabularies);
 this class only fixes the choices the engine depends on (e.g. no decode-time space clean-up, so
-decoding a token list piecewise and whole agree).
+decoding a token list piecewise and whole agree). A GGUF model's tokenizer, once converted and
+cached, is read back without importing transformers (``tokenizer_file.TokenizerFile``: the
+same files through ``tokenizers`` and jinja2), which is seconds off every start.
 """
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|e
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, *, extra_eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, hf_tokenizer: Any, *, extra_eos_token_ids: Sequence[int] = (),
+                 saved_dir: str | None = None) -> None:
+        # hf_tokenizer: transformers' tokenizer, or a TokenizerFile over `saved_dir`
         self._tok = hf_tokenizer
+        self._saved_dir = saved_dir
         eos: list[int] = []
         if hf_tokenizer.eos_token_id is not None:
             eos.append(int(hf_tokenizer.eos_token_id))
@@ -40,15 +45,16 @@ class Tokenizer:
 
         transformers re-parses the whole GGUF to build the tokenizer (seconds), so the result is
         saved once under the kvforge cache dir, keyed by the file's path, size and mtime, and later
-        loads read that fast tokenizer.json instead."""
-        from transformers import AutoTokenizer
+        loads read that fast tokenizer.json instead (without transformers)."""
+        from kvforge.tokenizer_file import TokenizerFile
         path = os.path.abspath(path)
         cached = _gguf_tokenizer_cache_dir(path)
         if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer.json")):
             try:
-                return cls(AutoTokenizer.from_pretrained(cached, local_files_only=True))
+                return cls(TokenizerFile(cached), saved_dir=cached)
             except Exception:  # a damaged cache entry: rebuild it below
                 pass
+        from transformers import AutoTokenizer
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                            local_files_only=True)
         if cached is not None:
@@ -71,6 +77,12 @@ class Tokenizer:
     # --- vocabulary ---------------------------------------------------------------------------
     @property
     def hf_tokenizer(self) -> Any:
+        """transformers' tokenizer (loaded now if this one reads a saved tokenizer without it):
+        for saving it beside a model and for reference checks."""
+        if self._saved_dir is not None:
+            from transformers import AutoTokenizer
+            self._tok = AutoTokenizer.from_pretrained(self._saved_dir, local_files_only=True)
+            self._saved_dir = None
         return self._tok
 
     @property
@@ -107,21 +119,33 @@ class Tokenizer:
                                 clean_up_tokenization_spaces=False)
 
     # --- chat ---------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (Qwen2.5's does)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (a base model?); pass a plain "
                              "prompt instead (kvforge generate --no-chat-template)")
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if tools and not self.renders_tools:
+            raise ValueError("this model's chat template does not render tools, so the model "
+                             "would never see them; use a model whose template has tools "
+                             "(e.g. Qwen2.5) or leave tools out")
         return self._tok.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered text already holds the template's special tokens (bos included when the
         # template writes it), so encoding must not add them a second time.
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 

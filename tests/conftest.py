@@ -53,8 +53,12 @@ def hf_smollm(default_model_path):
 
 @pytest.fixture(scope="session")
 def smollm_llm(default_model_path):
+    """The default model dequantized to fp32 (``quantization="none"``): the path that equals HF
+    transformers to float rounding, which the equivalence tests hold it to. The default native
+    path (8-bit activations) has tests of its own (tests/engine/test_hf_equivalence.py)."""
     from kvforge import LLM
-    return LLM(default_model_path, kv_cache_memory="256MiB", max_model_len=2048)
+    return LLM(default_model_path, kv_cache_memory="256MiB", max_model_len=2048,
+               quantization="none")
 
 
 @pytest.fixture(autouse=True)

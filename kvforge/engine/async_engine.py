@@ -194,6 +194,7 @@ class AsyncLLMEngine:
         finally:
             self._stop.set()
             self._close_all()
+            self.engine.shutdown()      # tensor-parallel workers stop with the loop
 
     def _close_all(self) -> None:
         """Abort what is left, end every stream and fail queued commands."""

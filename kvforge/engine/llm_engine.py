@@ -20,7 +20,7 @@ from kvforge.attention.window_setup import (STREAMING_MAX_MODEL_LEN, log_prefix_
 from kvforge.config import EngineConfig
 from kvforge.detokenizer import IncrementalDetokenizer
 from kvforge.engine.decode_steps import plan_decode_steps
-from kvforge.engine.model_runner import ModelRunner
+from kvforge.distributed.tp_runner import create_model_runner
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvforge.engine.request import Request
 from kvforge.engine.stop_checker import StopChecker
@@ -31,6 +31,7 @@ from kvforge.sched.config import SchedulerConfig
 from kvforge.sched.scheduler import Scheduler
 from kvforge.sched.swap import build_kv_swapper
 from kvforge.spec.factory import build_spec_decoder
+from kvforge.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def default_num_threads() -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        # tensor parallel: the cores are shared out among the ranks
+        torch.set_num_threads(config.num_threads
+                              or max(1, default_num_threads() // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
         source = load_model_source(config.model)
         self.model_config = source.config
@@ -88,7 +91,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
                              f"length {context}")
         self.max_model_len = config.max_model_len or context
-        self.runner = ModelRunner(config, source, self.max_model_len)
+        # one process, or rank 0 of a tensor-parallel group (distributed/tp_runner.py)
+        self.runner = create_model_runner(config, source, self.max_model_len)
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size,
             enable_prefix_caching=log_prefix_caching(window, config.enable_prefix_caching),
@@ -111,6 +115,9 @@ class LLMEngine:
         # multi-step decoding of greedy batches (engine/decode_steps.py); 1 = off
         self._max_decode_steps = (config.num_decode_steps if self.runner.supports_decode_steps
                                   else 1)
+        # structured outputs (kvforge/structured): grammars over the model's vocabulary
+        self.grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer,
+                                                self.model_config.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._seq_states: dict[str, _SeqState] = {}
         self._ids = itertools.count()
@@ -150,12 +157,17 @@ class LLMEngine:
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.max_model_len - len(token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        # a bad schema or grammar raises ValueError here, before anything is queued
+        matchers = ([self.grammar_compiler.matcher(params.structured_output)
+                     for _ in range(params.n)] if params.structured_output is not None
+                    else [None] * params.n)
         seqs = []
         for i in range(params.n):
             rid = request_id if i == 0 else f"{request_id}-{i}"
             req = Request(rid, token_ids, params, arrival_time=arrival, priority=priority,
                           eos_token_ids=self.eos_token_ids, parent_id=None if i == 0 else request_id,
                           sample_index=i)
+            req.grammar_matcher = matchers[i]
             seqs.append(_SeqState(req, IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens),
                 StopChecker(params, self.eos_token_ids, self.max_len_per_request)))
@@ -226,6 +238,8 @@ class LLMEngine:
             if rid in runner_out.logprobs:
                 req.output_logprobs.append(runner_out.logprobs[rid])
             for j, token in enumerate(tokens):
+                if req.grammar_matcher is not None:
+                    req.grammar_matcher.consume(token)
                 state.text += state.detokenizer.step([token])
                 # several tokens per step (speculation): check each as if it were the last
                 behind = len(tokens) - 1 - j
@@ -276,6 +290,10 @@ class LLMEngine:
                                    sum(s.request.num_swaps for s in group.seqs),
                                    sum(s.request.swapped_bytes for s in group.seqs)),
             deltas=deltas)
+
+    def shutdown(self) -> None:
+        """Stop what runs outside this process (tensor-parallel workers); idempotent."""
+        self.runner.shutdown()
 
     # --------------------------------------------------------------- debug
     def check_integrity(self) -> None:

@@ -44,11 +44,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = source.config
-        # builds the model class, swaps in quantized linear methods, loads (and calibrates)
-        self.model = load_model(source, quantization=config.quantization,
-                                quantization_args=config.quantization_args,
-                                attn_backend=config.attention_backend, dtype=self.dtype,
-                                device=self.device)
+        self.model = self._load_model(source)
         self.model.eval()
         # the decode stack's weight layout (kernels/decode_stack.py): packed for 1-4 rows per
         # step, row-major when speculation verifies up to 8
@@ -60,10 +56,11 @@ class ModelRunner:
         # the attention backend picks the cache dtype (fp8 KV cache: 8-bit, else the model dtype)
         cache_dtype = (self.model.kv_cache_dtype() if hasattr(self.model, "kv_cache_dtype")
                        else self.dtype)
-        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it;
-        # faulted in now, not by whichever decode step first writes into each page
-        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device,
-                                         populate=True)
+        # one huge-page buffer, layer after layer (kernels/huge_pages.py): attention streams it.
+        # Pages fault in as tokens are written, not at start: a 2 MiB page of one layer's K
+        # holds hundreds of tokens, so a decode step rarely waits on a fault (~0.1 ms), while
+        # populating the whole default 1 GiB pool cost ~1-8 s of every start and its RSS
+        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
         self.sampler = Sampler()
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait
@@ -72,6 +69,18 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        # builds the model class, swaps in quantized linear methods, loads (and calibrates);
+        # a tensor-parallel runner loads its rank's slice instead (distributed/tp_runner.py)
+        config = self.config
+        return load_model(source, quantization=config.quantization,
+                          quantization_args=config.quantization_args,
+                          attn_backend=config.attention_backend, dtype=self.dtype,
+                          device=self.device)
+
+    def shutdown(self) -> None:
+        """Release what outlives the runner (tensor-parallel workers); nothing here."""
 
     @property
     def supports_decode_steps(self) -> bool:

@@ -79,6 +79,9 @@ class Request:
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.stop_reason: int | str | None = None
+        # structured output: this sequence's GrammarMatcher (kvforge/structured), set by the
+        # engine; it lives as long as the request, across preemptions
+        self.grammar_matcher = None
 
     # derived counts: never stored twice
     @property

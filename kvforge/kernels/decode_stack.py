@@ -2,7 +2,8 @@
 
 Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (packed here for our
 kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
-too) or quantized ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
+too), GGUF blocks (``quant/gguf.py``: the stack runs their kernels itself) or other quantized
+``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
 without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
 (not QUEST, windows or an fp8 cache) and a contiguous fp32 KV cache. Anything else returns None
 and the model runs its Python layers, which remain the reference (tests compare the two).
@@ -18,7 +19,7 @@ def build_llama_decode_stack(model):
     """A ``DecodeStack`` over ``model``'s own weight tensors, or None when not eligible."""
     from kvforge.attention.paged import PagedAttentionBackend
     from kvforge.layers.activation import GatedActivation
-    from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod, place_linears
+    from kvforge.layers.linear import UnquantizedLinearMethod, place_linears
     from kvforge.models.llama import LlamaMLP
 
     ops = cpu_kernels()
@@ -57,14 +58,11 @@ def build_llama_decode_stack(model):
                   pack=model.pack_decode_weights)
 
     def projection(linear):
-        """The packed or row-major fp32 weight for our kernels; a quantized layer's module
-        itself (its own kernel)."""
+        """What the stack multiplies by (``kernel_weight``) and the bias; a quantized layer
+        without one of our kernels: the module itself (called back)."""
         bias = linear.bias if linear.bias is not None else empty
-        if type(linear.method) is PackedLinearMethod:
-            return (linear.packed_weight, linear.output_size), bias
-        if type(linear.method) is UnquantizedLinearMethod:
-            return linear.weight, bias
-        return linear, empty
+        weight = kernel_weight(linear)
+        return (linear, empty) if weight is None else (weight, bias)
 
     layers = []
     for layer in inner.layers:
@@ -76,6 +74,22 @@ def build_llama_decode_stack(model):
     first = inner.layers[0].self_attn
     return ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
                            first.num_kv_heads, first.head_dim, float(first.attn.scale))
+
+
+def kernel_weight(linear):
+    """A ``Linear``'s weight as ``DecodeStack`` takes it: (packed weight, out_features) when
+    packed, the fp32 [out, in] tensor, the ``GgufWeight`` of GGUF blocks; None for any other
+    method (the stack calls such a layer back as a module)."""
+    from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod
+    from kvforge.quant.gguf import GGUFLinearMethod
+    method = linear.method
+    if type(method) is PackedLinearMethod:
+        return linear.packed_weight, linear.output_size
+    if type(method) is UnquantizedLinearMethod and linear.weight.dtype == torch.float32:
+        return linear.weight
+    if isinstance(method, GGUFLinearMethod):
+        return method.kernel_weight
+    return None
 
 
 # Longest query run per sequence the stack takes: decodes (1) and speculative verification

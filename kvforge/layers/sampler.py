@@ -8,6 +8,7 @@ the math is one pass over the ``[B, V]`` logits whatever the mix of requests. Or
         ├─ repetition penalty   tokens of prompt + output: l > 0 ? l / r : l * r
         ├─ frequency / presence tokens of output only:     l -= f * count + p * (count > 0)
         ├─ min_tokens           EOS / stop_token_ids → -inf while too few outputs
+        ├─ grammar              structured output: tokens the row's grammar refuses → -inf
         │
         ├─ greedy rows  ──► argmax
         └─ random rows  ──► / temperature → top-k → top-p → min-p → softmax → exponential race
@@ -27,6 +28,7 @@ import torch
 
 from kvforge.engine.request import Request
 from kvforge.kernels import ops as kernel_ops
+from kvforge.structured.bitmask import apply_grammars
 
 # Below this temperature a row is treated as greedy: dividing logits by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -69,6 +71,9 @@ class SamplingBatch:
     min_tokens_token_ids: torch.Tensor | None  # [M] / the row has fewer than min_tokens outputs
     generators: list[torch.Generator | None]  # per row; None = the global RNG
     num_logprobs: list[int | None]        # per row, the request's ``logprobs``
+    # per row the request's GrammarMatcher (None: unconstrained); None when no row has one.
+    # The mask is read from the matchers at every call, so a reused batch stays correct.
+    grammar_matchers: list | None
     all_greedy: bool
     all_random: bool
     no_top_k: bool
@@ -161,6 +166,8 @@ class SamplingBatch:
             # greedy rows never draw, so a seeded greedy request leaves its generator untouched
             generators=[None if g else r.generator for g, r in zip(greedy, requests)],
             num_logprobs=[p.logprobs for p in params],
+            grammar_matchers=(None if all(r.grammar_matcher is None for r in requests)
+                              else [r.grammar_matcher for r in requests]),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             # greedy rows' knobs are irrelevant, so they do not switch a stage on
@@ -320,6 +327,8 @@ class Sampler:
 
         if not batch.no_penalties or batch.min_tokens_rows is not None:
             logits = apply_penalties(logits, batch)
+        if batch.grammar_matchers is not None:
+            logits = apply_grammars(logits, batch.grammar_matchers)
         greedy_ids = None if batch.all_random else kernel_ops.argmax_last_dim(logits)
         if batch.all_greedy:
             sampled = greedy_ids

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla import MLAAttentionBackend, MLAUpProjection
+from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.linear import Linear
 from kvforge.layers.moe import FusedMoE
 from kvforge.layers.norm import RMSNorm
@@ -105,8 +106,8 @@ class DeepseekV2Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device) -> None:
         super().__init__()
         moe = DeepseekMoEConfig.from_hf(config.hf_config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size,
+                                                    dtype, device)
         self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, moe, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

@@ -33,6 +33,7 @@ from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.window import AttentionWindow
 from kvforge.attention.windowed import WindowedAttentionBackend
+from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import OffsetRMSNorm
 from kvforge.layers.rotary import ComputedRotaryEmbedding
@@ -174,8 +175,8 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig, options: Gemma3Options, attn_backend: str,
                  dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size,
+                                                    dtype, device)
         # HF multiplies by the fp32 scalar sqrt(hidden) cast to the weight dtype
         self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size)).to(dtype))
         self.layers = nn.ModuleList(

@@ -24,6 +24,7 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.activation import get_act_fn
 from kvforge.layers.linear import Linear, MergedLinear
 from kvforge.models.base import (PagedKVModelMixin, copy_plain_parameter, expected_weight_keys,
@@ -94,8 +95,8 @@ class GPT2Model(nn.Module):
                  dtype: torch.dtype, device) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.wte = nn.Embedding(config.vocab_size, hidden, dtype=dtype, device=device)
-        self.wpe = nn.Embedding(config.max_position_embeddings, hidden, dtype=dtype, device=device)
+        self.wte = uninitialized_embedding(config.vocab_size, hidden, dtype, device)
+        self.wpe = uninitialized_embedding(config.max_position_embeddings, hidden, dtype, device)
         self.h = nn.ModuleList(GPT2Block(config, i, num_kv_heads, attn_backend, dtype, device)
                                for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(hidden, eps=config.hf_config.get("layer_norm_epsilon", 1e-5),

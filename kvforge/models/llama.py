@@ -19,8 +19,9 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels.decode_stack import (build_llama_decode_stack, run_decode_stack,
-                                          stack_handles_step)
+from kvforge.kernels.decode_stack import (build_llama_decode_stack, kernel_weight,
+                                          run_decode_stack, stack_handles_step)
+from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import (Linear, MergedLinear, PackedLinearMethod, PackedRowsEmbedding,
                                    UnquantizedLinearMethod, place_linears)
@@ -106,8 +107,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: str, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size,
+                                                    dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, dtype, device)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -180,28 +181,27 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
         ``input_ids[i]`` at ``positions[i]``, with KV slots for ``num_steps`` positions in its
         ``block_tables`` row. Returns the [num_seqs, num_steps] argmax tokens, the ones
         ``num_steps`` one-step greedy samples would give."""
-        (head, head_packed), (table, table_packed) = self._head_and_table()
+        head, table = self._head_and_table()
         return self.decode_stack().generate(
             input_ids, positions, num_steps, kv_caches, block_tables,
-            self.model.rotary_emb.cos_sin_table, table, table_packed, head, head_packed,
-            self.config.vocab_size)
+            self.model.rotary_emb.cos_sin_table, table, head, self.config.vocab_size)
 
     def _head_and_table(self):
-        """((LM head weight, packed?), (embedding table, packed?)) in fp32, or None."""
+        """(LM head, embedding table) as the compiled stack takes weights
+        (``kernel_weight``), or None."""
         head, embed = self.lm_head, self.model.embed_tokens
-        if type(head.method) is PackedLinearMethod:
-            head_weight = (head.packed_weight, True)
-        elif type(head.method) is UnquantizedLinearMethod and head.weight.dtype == torch.float32:
-            head_weight = (head.weight, False)
-        else:
-            return None
-        if isinstance(embed, PackedRowsEmbedding):
-            table = (head.packed_weight, True)
-        elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:
-            table = (embed.weight, False)
-        else:
-            return None
         if head.output_size != self.config.vocab_size or head.bias is not None:
+            return None
+        head_weight = kernel_weight(head)
+        if isinstance(embed, PackedRowsEmbedding):
+            table = head_weight
+        elif isinstance(embed, Linear):            # GGUFEmbedding: the file's blocks
+            table = kernel_weight(embed)
+        elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:
+            table = embed.weight
+        else:
+            return None
+        if head_weight is None or table is None:
             return None
         return head_weight, table
 

@@ -110,11 +110,14 @@ class GGUFLinearMethod(LinearMethod):
         for i, b in enumerate(blocks):      # visible to state inspection, never saved
             layer.register_buffer(f"gguf_raw_{i}", b.raw, persistent=False)
         layer.gguf_blocks = blocks
-        # plain references for apply (called ~120 times a decode step)
-        self._raws = [b.raw for b in blocks]
-        self._types = [b.type_id for b in blocks]
+        ops = cpu_kernels()
+        # the compiled weight (csrc/gguf_weight.cpp): also what DecodeStack multiplies by
+        self.kernel_weight = None
         self._dense = None
-        if cpu_kernels() is None:
+        if ops is not None:
+            self.kernel_weight = ops.GgufWeight([b.raw for b in blocks],
+                                                [b.type_id for b in blocks], layer.input_size)
+        else:
             self._dense = torch.cat([b.dequantize() for b in blocks])
 
     def apply(self, layer, x):
@@ -124,7 +127,7 @@ class GGUFLinearMethod(LinearMethod):
         if self._dense is not None:
             y = torch.nn.functional.linear(x2d, self._dense, layer.bias)
         else:
-            y = cpu_kernels().gguf_linear(x2d, self._raws, self._types, layer.bias)
+            y = self.kernel_weight.linear(x2d, layer.bias)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def lookup_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
@@ -132,20 +135,15 @@ class GGUFLinearMethod(LinearMethod):
         flat = ids.reshape(-1).long()
         if self._dense is not None:
             rows = self._dense.index_select(0, flat)
-        elif len(self._raws) == 1:
-            rows = cpu_kernels().gguf_dequantize(self._raws[0], self._types[0],
-                                                 layer.input_size, flat)
         else:
-            rows = self.dequantize(layer).index_select(0, flat)
+            rows = self.kernel_weight.dequantize(flat)
         return rows.view(*ids.shape, layer.input_size)
 
     def dequantize(self, layer) -> torch.Tensor:
         """The whole [out, in] weight in fp32 (reference checks)."""
         if self._dense is not None:
             return self._dense.clone()
-        ops = cpu_kernels()
-        return torch.cat([ops.gguf_dequantize(r, t, layer.input_size, None)
-                          for r, t in zip(self._raws, self._types)])
+        return self.kernel_weight.dequantize()
 
 
 class GGUFEmbedding(Linear):

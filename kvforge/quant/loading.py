@@ -1,6 +1,6 @@
 """Build a model with its quantization: choose the config, swap linear methods, load, calibrate.
 
-    EngineConfig.quantization ("none" | int8 | int4 | gguf | ...)  ─┐
+    EngineConfig.quantization ("auto" | "none" | int8 | int4 | gguf | ...)  ─┐
     or a saved quantized directory (kvforge_quantization.json) ─────┴─► QuantizationConfig
     model = ModelClass(config)                 float layers (torch.empty: pages never touched)
     apply_quantization(model, qc)              every Linear asks qc.get_linear_method(prefix),
@@ -61,16 +61,33 @@ def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig)
     return swapped
 
 
-def resolve_quant_config(name: str, args: dict | None, source: ModelSource
+def auto_quantization(source: ModelSource, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> str:
+    """What ``--quantization auto`` (the default) runs: a GGUF file in its own blocks ("gguf")
+    where the compiled kernels run (fp32 activations on CPU), anything else as stored ("none":
+    a GGUF file then dequantized to fp32)."""
+    from kvforge.kernels import cpu_kernels
+    if (source.format == "gguf" and dtype == torch.float32
+            and torch.device(device).type == "cpu" and cpu_kernels() is not None):
+        return "gguf"
+    return "none"
+
+
+def resolve_quant_config(name: str, args: dict | None, source: ModelSource,
+                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
                          ) -> tuple[QuantizationConfig | None, bool]:
     """-> (config, whether the source is a saved quantized model)."""
     saved = read_saved_quantization(source.path) if source.format == "hf" else None
     if saved is not None:
         saved_name, saved_args = saved
-        if name not in (None, "", "none", saved_name):
+        if name not in (None, "", "none", "auto", saved_name):
             raise ValueError(f"{source.path!r} is already quantized with {saved_name!r}; "
                              f"cannot apply --quantization {name!r} on top")
         return get_quantization_config(saved_name, **saved_args), True
+    if name == "auto":
+        name = auto_quantization(source, dtype, device)
+        if name == "none" and args:
+            raise ValueError(f"quantization options {args} need a --quantization method")
     return get_quantization_config(name, **(args or {})), False
 
 
@@ -80,7 +97,8 @@ def load_model(source: ModelSource, *, quantization: str = "none",
                ) -> torch.nn.Module:
     model_cls = get_model_class(source.config.architecture)
     model = model_cls(source.config, attn_backend=attn_backend, dtype=dtype, device=device)
-    quant_config, saved = resolve_quant_config(quantization, quantization_args, source)
+    quant_config, saved = resolve_quant_config(quantization, quantization_args, source, dtype,
+                                               device)
     model.quant_config = quant_config
     if quant_config is None:
         model.load_weights(source.iter_weights())
@@ -106,4 +124,4 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-__all__ = ["apply_quantization", "resolve_quant_config", "load_model", "weight_bytes"]
+__all__ = ["apply_quantization", "auto_quantization", "resolve_quant_config", "load_model", "weight_bytes"]

@@ -35,6 +35,9 @@ from kvforge.server.limits import output_budget
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
+from kvforge.server.tool_calls import (ToolCallStream, forced_call_schema, parse_forced_call,
+                                       parse_tagged_calls)
+from kvforge.structured.params import StructuredOutputParams
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
 
@@ -88,14 +91,39 @@ class OpenAIServing:
             self._token_text_cache[token_id] = text
         return text
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None,
+                structured: StructuredOutputParams | None = None) -> SamplingParams:
         if body.n > self.config.max_n:
             raise OpenAIError(400, f"n = {body.n} is more than this server allows "
                                    f"({self.config.max_n})", param="n", code="invalid_value")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as e:
             raise OpenAIError(400, str(e), code="invalid_value") from e
+
+    async def structured_output(self, body, forced: StructuredOutputParams | None = None,
+                                forced_by: str | None = None) -> StructuredOutputParams | None:
+        """What the request's output must match (``forced``: a tool call's schema), checked by
+        the grammar engine now: a bad schema or grammar is a 400 with its message."""
+        try:
+            structured, field = body.structured_output()
+        except ValueError as e:
+            raise OpenAIError(400, str(e), code="invalid_value") from e
+        if forced is not None:
+            if structured is not None:
+                raise OpenAIError(400, f"tool_choice {forced_by!r} constrains the output to a "
+                                       f"tool call; it cannot be combined with {field}",
+                                  param=field, code="invalid_value")
+            structured, field = forced, "tools"
+        if structured is not None:
+            # the first use builds the grammar engine's view of the vocabulary (~1 s): off the
+            # event loop
+            compiler = self.engine.engine.grammar_compiler
+            try:
+                await asyncio.to_thread(compiler.compile, structured)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param=field, code="invalid_value") from e
+        return structured
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
                     priority: int = 0) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
@@ -198,7 +226,7 @@ class OpenAIServing:
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = output_budget(self.max_model_len, [len(p) for p in prompt_ids], requested,
                                    default=16, param="max_tokens", prompt_param="prompt")
-        params = self._params(body, max_tokens, body.logprobs)
+        params = self._params(body, max_tokens, body.logprobs, await self.structured_output(body))
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
                       for p in raw_prompts]
         job = _Job(self, "cmpl", body, params, prompt_ids, echo_texts)
@@ -208,16 +236,25 @@ class OpenAIServing:
         self.check_model(body.model)
         try:
             ids = self.tokenizer.apply_chat_template(
-                body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+                body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
+                tools=body.template_tools())
             logprobs = body.num_logprobs()
         except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
+            param = "tools" if "tools" in str(e) else "messages"
+            raise OpenAIError(400, str(e), param=param, code="invalid_value") from e
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(self.max_model_len, [len(ids)],
                                    body.max_completion_tokens or body.max_tokens, default=None,
                                    param=param, prompt_param="messages")
-        params = self._params(body, max_tokens, logprobs)
+        forced = None
+        if body.tool_mode in ("required", "named"):
+            named = body.tool_choice.function.name if body.tool_mode == "named" else None
+            forced = StructuredOutputParams(json=forced_call_schema(body.tools, named))
+        structured = await self.structured_output(body, forced, body.tool_mode)
+        params = self._params(body, max_tokens, logprobs, structured)
         job = _Job(self, "chatcmpl", body, params, [ids], [""])
+        job.tool_mode = body.tool_mode
+        job.tool_names = {t.function.name for t in body.tools or []}
         return await job.respond(job.stream_chat, job.full_chat)
 
 
@@ -262,6 +299,8 @@ class _Job:
         self.completion_tokens: dict[int, int] = {}     # choice index -> tokens so far
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
+        self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
+        self.tool_names: set[str] = set()
 
     async def respond(self, stream_events, full_response):
         """Start the engine requests; the SSE response or the whole one (as JSON). Whatever
@@ -361,27 +400,73 @@ class _Job:
         choices = []
         for co in final.outputs:
             self.completion_tokens[co.index] = len(co.token_ids)
-            choices.append({"index": co.index,
-                            "message": {"role": "assistant", "content": co.text},
+            message, finish_reason = self._message(co.text, co.finish_reason)
+            choices.append({"index": co.index, "message": message,
                             "logprobs": self._new_logprobs(co.index, co, chat=True),
-                            "finish_reason": co.finish_reason})
+                            "finish_reason": finish_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self._usage()}
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice, its tool calls parsed; finish_reason
+        "tool_calls" when it called tools."""
+        if self.tool_mode == "none":
+            return {"role": "assistant", "content": text}, finish_reason
+        if self.tool_mode == "auto":
+            content, calls = parse_tagged_calls(text, self.tool_names)
+        else:
+            calls = parse_forced_call(text)
+            content = None if calls else text
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
 
     async def stream_chat(self, streams) -> AsyncIterator[dict]:
         for j in range(self.n):
             yield self._chunk("chat.completion.chunk", [
                 {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}])
+        tool_streams = ({j: ToolCallStream(self.tool_mode != "auto", self.tool_names)
+                         for j in range(self.n)} if self.tool_mode != "none" else None)
+        done: set[int] = set()      # choices that sent their finish_reason (n > 1: a
+        #                              finished choice is in its siblings' later outputs too)
         async for _, out in self._merge(streams):
             for co, delta in zip(out.outputs, out.deltas):
                 self.completion_tokens[co.index] = len(co.token_ids)
+                if co.index in done:
+                    continue
+                if co.finished:
+                    done.add(co.index)
+                finish_reason = co.finish_reason
+                calls = []
+                if tool_streams is not None:
+                    ts = tool_streams[co.index]
+                    delta = ts.feed(delta)
+                    if co.finished:
+                        tail, calls = ts.finish()
+                        delta += tail
+                        if calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
                 if not delta and not co.finished:
+                    continue
+                logprobs = self._new_logprobs(co.index, co, chat=True)
+                if calls:       # content first, then the calls with the finish reason
+                    if delta:
+                        yield self._chunk("chat.completion.chunk", [
+                            {"index": co.index, "delta": {"content": delta},
+                             "logprobs": logprobs, "finish_reason": None}])
+                        logprobs = None
+                    yield self._chunk("chat.completion.chunk", [
+                        {"index": co.index,
+                         "delta": {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]},
+                         "logprobs": logprobs, "finish_reason": finish_reason}])
                     continue
                 yield self._chunk("chat.completion.chunk", [
                     {"index": co.index, "delta": {"content": delta} if delta else {},
-                     "logprobs": self._new_logprobs(co.index, co, chat=True),
-                     "finish_reason": co.finish_reason}])
+                     "logprobs": logprobs, "finish_reason": finish_reason}])
         if self.body.include_usage:
             chunk = self._chunk("chat.completion.chunk", [])
             chunk["usage"] = self._usage()
@@ -434,8 +519,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
         tok = serving.tokenizer
         try:
             if body.messages is not None:
-                ids = tok.apply_chat_template([m.model_dump(include={"role", "content"})
-                                               | {"content": m.text()} for m in body.messages],
+                ids = tok.apply_chat_template([m.template_dict() for m in body.messages],
                                               add_generation_prompt=body.add_generation_prompt)
             elif body.prompt is not None:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

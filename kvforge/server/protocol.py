@@ -5,11 +5,14 @@ range fail validation and become a 400 with the OpenAI error body (see errors.py
 """
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured.params import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 
@@ -55,6 +58,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -78,6 +96,13 @@ class _SamplingFields(_RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0             # scheduling_policy priority/mlfq: lower value goes first
+    # structured outputs (kvforge/structured): OpenAI's response_format, or one of vLLM's extras
+    # (accepted, but left out of the OpenAPI schema as vendor extras are)
+    response_format: ResponseFormat | None = None
+    guided_json: SkipJsonSchema[dict | str | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list[str] | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
 
     @field_validator("stop")
     @classmethod
@@ -89,7 +114,30 @@ class _SamplingFields(_RequestBody):
             raise ValueError(f"at most 16 stop strings, got {len(items)}")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured_output(self) -> tuple[StructuredOutputParams | None, str | None]:
+        """(what the output must match, the request field that asked for it); ValueError when
+        several fields ask or one is malformed."""
+        asked = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked["response_format"] = StructuredOutputParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs "
+                                 "json_schema.schema (a JSON schema object)")
+            asked["response_format"] = StructuredOutputParams(json=fmt.json_schema.json_schema)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked[name] = StructuredOutputParams(**{kind: value})
+        if len(asked) > 1:
+            raise ValueError(f"give at most one of response_format, guided_json, guided_regex, "
+                             f"guided_choice, guided_grammar; got {sorted(asked)}")
+        return next(iter(asked.values()), None), next(iter(asked), None)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_output: StructuredOutputParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -97,7 +145,8 @@ class _SamplingFields(_RequestBody):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=structured_output)
 
     @property
     def include_usage(self) -> bool:
@@ -130,17 +179,105 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    # required for every role: without tool calls (not supported) a message is its content
-    content: str | list[ContentPart]
+    name: str
+    arguments: str            # JSON text, as the API returns it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _message_schema(schema: dict) -> None:
+    """The OpenAPI schema states what the validators below check: a message has content and no
+    tool_calls, or it is an assistant message with tool_calls (content optional)."""
+    schema["anyOf"] = [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}},
+         "not": {"required": ["tool_calls"]}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"}}}]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None
+    # required, except on an assistant message that only calls tools (validated after role
+    # and tool_calls, which come first for that reason: errors then name messages.N.content)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None       # role "tool": the call this message answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistants_call(cls, v, info):
+        if v and info.data.get("role") != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not "
+                             f"{info.data.get('role')}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, v, info):
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(f"a {info.data.get('role', 'chat')} message needs content")
+        return v
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it ("developer" is OpenAI's newer "system")."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role,
+                     "content": self.text()}
+        if self.tool_calls:
+            # templates (Qwen2.5's among them) write the arguments with tojson: give the object
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _arguments_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None        # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -150,6 +287,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {choice if isinstance(choice, str) else 'function'!r}"
+                             f" needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {choice.function.name!r}, which "
+                                 f"is not among the tools {names}")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (no tools, or tool_choice none), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -158,10 +319,14 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return self.top_logprobs or 0
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def chat_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (OpenAI's shape), unless tool_choice is none."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(_RequestBody):

@@ -29,6 +29,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind this endpoint (processes with "
+                        "--distributed-executor-backend mp, Ray actors with ray), requests "
+                        "routed to the replica caching their longest prefix, else the least loaded")
+    g.add_argument("--router-cache-threshold", type=float, default=0.5,
+                   help="data parallel: the cached prefix must exceed this fraction of a "
+                        "request's text to route by cache")
 
 
 def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
@@ -56,6 +63,11 @@ def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
 
 
 def run(engine_kwargs: dict[str, Any], args: argparse.Namespace) -> int:
+    if getattr(args, "data_parallel_size", 1) != 1:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        from kvforge.distributed.dp_server import run as run_data_parallel
+        return run_data_parallel(engine_kwargs, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server, async_engine = build_server(engine_kwargs, args)
     # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal to whatever handler was

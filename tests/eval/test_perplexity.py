@@ -37,6 +37,18 @@ def test_perplexity_equals_hf_over_the_same_windows(tiny):
     assert result.perplexity < 49152 / 4
 
 
+def test_chunked_windows_score_like_one_prefill(tiny):
+    """Forwards of 5 tokens over the same cache (decode-size steps) give the prefill's NLL."""
+    path, _, ids = tiny
+    model = load_model(load_model_source(path))
+    whole = perplexity(model, ids, max_tokens=70, window=32, progress=False)
+    chunked = perplexity(model, ids, max_tokens=70, window=32, progress=False, chunk=5)
+    assert chunked.num_scored == whole.num_scored
+    assert math.isclose(chunked.mean_nll, whole.mean_nll, rel_tol=1e-5)
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        perplexity(model, ids, chunk=0)
+
+
 def test_bad_arguments_are_clear_errors(tiny):
     path, _, ids = tiny
     model = load_model(load_model_source(path))

@@ -48,8 +48,9 @@ def activation_error_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + FLOATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
 def test_few_rows_within_activation_rounding(compiled, qtype, rows):
+    assert rows <= compiled.gguf_dot_rows_max
     n, k = 37, 512
     raw = random_blocks(qtype, n, k, seed=int(qtype))
     w = reference_weight(raw, qtype)
@@ -77,7 +78,8 @@ def test_many_rows_and_dequantize_match_the_reference(compiled, qtype):
     ids = torch.tensor([5, 0, 69, 5])
     torch.testing.assert_close(compiled.gguf_dequantize(r, int(qtype), k, ids), dense[ids],
                                rtol=0, atol=0)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(3))    # > 16 rows: fp32 tiles
+    rows = compiled.gguf_dot_rows_max + 1                                 # fp32 tiles
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     y = compiled.gguf_linear(x, [r], [int(qtype)], None)
     ref = x.double() @ torch.from_numpy(w).T
     magnitude = x.double().abs() @ torch.from_numpy(np.abs(w)).T
@@ -85,7 +87,7 @@ def test_many_rows_and_dequantize_match_the_reference(compiled, qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [2, 24])
+@pytest.mark.parametrize("rows", [2, 65])
 def test_shards_of_mixed_types_with_bias(compiled, rows):
     """q | k | v of different types (Q4_K_M files mix them) and a bias: one output."""
     k = 256
@@ -123,3 +125,23 @@ def test_unsupported_type_and_bad_rows_are_named(compiled):
     with pytest.raises(RuntimeError, match=r"row id 9 out of range"):
         compiled.gguf_dequantize(torch.zeros(4, 144, dtype=torch.uint8), int(T.Q4_0), 256,
                                  torch.tensor([9]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", LEGACY + K_QUANTS, ids=lambda t: t.name)
+def test_simd_kernels_equal_the_portable_reference(compiled, qtype):
+    """The ISA's block kernels (codes decoded in registers, rows in groups of up to 4) do the
+    portable kernel's integer arithmetic: equal up to the order of float sums, and a row of a
+    group gets exactly what it gets alone."""
+    n, k = 19, 512
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5 + int(qtype)))
+    fast = compiled.GgufWeight([raw], [int(qtype)], k)
+    portable = compiled.GgufWeight([raw], [int(qtype)], k, reference_kernels=True)
+    weight_abs = torch.from_numpy(np.abs(reference_weight(raw.numpy(), qtype))).float()
+    for rows in (1, 2, 3, 4, 5, 7, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        y = fast.linear(x)
+        magnitude = (x.abs() @ weight_abs.T).max()
+        assert (y - portable.linear(x)).abs().max() <= 2e-6 * magnitude
+        alone = torch.cat([fast.linear(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(y, alone)

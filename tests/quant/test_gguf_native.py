@@ -82,8 +82,9 @@ def test_block_model_matches_dequantized_reference(tmp_path, qtype, tied):
     assert isinstance(layer.method, GGUFLinearMethod) and not hasattr(layer, "weight")
     assert [b.type_name for b in layer.gguf_blocks] == [qtype.name] * 3
     assert isinstance(native.model.embed_tokens, GGUFEmbedding)
-    # prefill rows (> 16: dequantized fp32 tiles) agree with the fp32 model to rounding
-    long_prompt = [(7 * i) % 37 + 3 for i in range(24)]
+    # prefill rows (past the integer dots' rows: dequantized fp32 tiles) agree with the fp32
+    # model to rounding
+    long_prompt = [(7 * i) % 37 + 3 for i in range(70)]
     a, b = _logits(native, long_prompt), _logits(reference, long_prompt)
     assert (a - b).abs().max() <= 1e-3 * b.abs().max()
     # few rows (8-bit activations; the random model's std-1 weights amplify their rounding
@@ -109,7 +110,7 @@ def test_qwen2_biases_and_llama_permuted_rows(tmp_path):
         if bias:
             torch.testing.assert_close(qkv.bias,
                                        reference.model.layers[1].self_attn.qkv_proj.bias)
-        prompt = list(range(3, 27))
+        prompt = [3 + i % 30 for i in range(70)]         # past the dots' rows: fp32 tiles
         a, b = _logits(native, prompt), _logits(reference, prompt)
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 

@@ -6,11 +6,13 @@
 
 #include "argmax.cpp"
 #include "attention.cpp"
-#include "decode_stack.cpp"
 #include "elementwise.cpp"
 #include "gguf_blocks.cpp"
+#include "gguf_dot.cpp"
+#include "gguf_weight.cpp"
 #include "linear.cpp"
 #include "quest.cpp"
+#include "decode_stack.cpp"   // last: its projections run the kernels above
 
 // Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -45,5 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("gguf_dequantize", &kvforge::gguf_dequantize,
         "rows (all, or ids) of a raw GGUF tensor dequantized to fp32", release_gil());
+  m.attr("gguf_dot_rows_max") = kvforge::kGgufDotRowsMax;   // integer dots up to here
+  kvforge::bind_gguf_weight(m);
   kvforge::bind_decode_stack(m);
 }

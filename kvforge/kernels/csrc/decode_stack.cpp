@@ -21,13 +21,15 @@ namespace kvforge {
 namespace {
 
 // A projection: an fp32 weight [out, in] (+ optional bias) run by our kernels / MKL, a packed
-// fp32 weight (a tuple (packed [ceil(out / 8), in / L, 8, L], out); linear.cpp's layout), or
-// any Python callable x -> y (a quantized Linear module: int8 / int4 / GGUF kernels of its own).
+// fp32 weight (a tuple (packed [ceil(out / 8), in / L, 8, L], out); linear.cpp's layout), GGUF
+// blocks (a GgufWeight: gguf_weight.cpp), or any Python callable x -> y (a quantized Linear
+// module: int8 / int4 kernels of its own).
 struct Projection {
   at::Tensor weight, bias;
   at::Tensor packed;
   int64_t packed_out = 0;
-  pybind11::object module;
+  const GgufWeight* gguf = nullptr;
+  pybind11::object module, owner;    // owner keeps the GgufWeight alive
 
   static Projection from(const pybind11::object& obj, const pybind11::object& bias) {
     Projection p;
@@ -38,47 +40,77 @@ struct Projection {
       p.packed_out = t[1].cast<int64_t>();
       TORCH_CHECK(p.packed.dim() == 4, "packed weight must be 4-D");
       check_packed_weight(p.packed, p.packed.size(1) * kLanes, p.packed_out);
-      p.set_bias(bias);
+    } else if (pybind11::isinstance<GgufWeight>(obj)) {
+      p.gguf = obj.cast<const GgufWeight*>();
+      p.owner = obj;
     } else if (THPVariable_Check(obj.ptr())) {
       p.weight = obj.cast<at::Tensor>();
       check_fp32_cpu(p.weight, "weight");
       TORCH_CHECK(p.weight.dim() == 2 && p.weight.is_contiguous(), "weights must be contiguous 2-D");
-      p.set_bias(bias);
     } else {
-      TORCH_CHECK(PyCallable_Check(obj.ptr()), "a projection is an fp32 weight or a callable");
+      TORCH_CHECK(PyCallable_Check(obj.ptr()),
+                  "a projection is an fp32 weight, a GgufWeight or a callable");
       p.module = obj;
+      return p;
     }
+    p.set_bias(bias);
     return p;
   }
 
   void set_bias(const pybind11::object& b) {
     if (b.is_none()) return;
     at::Tensor t = b.cast<at::Tensor>();
-    if (t.numel() > 0) bias = t;            // an empty tensor: no bias
+    if (t.numel() == 0) return;             // an empty tensor: no bias
+    check_fp32_cpu(t, "bias");
+    TORCH_CHECK(t.is_contiguous() && t.numel() == out_features(), "bias has ", t.numel(),
+                " entries for ", out_features(), " outputs");
+    bias = t;
   }
 
-  // our own fp32 kernel at `rows` rows, so a team can run it (linear_team)
+  // our own kernel at `rows` rows, so a team can run it
   bool team_runnable(int64_t rows) const {
-    return packed.defined() ||
+    return packed.defined() || (gguf != nullptr && rows <= kGgufDotRowsMax) ||
            (weight.defined() && rows >= kLinearRowsMin && rows <= kLinearRowsMax);
   }
   // this thread's part of y [rows, out] = x @ W^T + b
   void run(const float* x, int64_t xs, float* y, int64_t rows, const Team& team,
            ShareClaim* claims) const {
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (gguf != nullptr)
+      return gguf->run(x, xs, b, y, out_features(), rows, team, claims);
     linear_team(x, xs, packed.defined() ? packed.data_ptr<float>() : weight.data_ptr<float>(),
-                packed.defined(), bias.defined() ? bias.data_ptr<float>() : nullptr, y, rows,
-                in_features(), out_features(), team, claims);
+                packed.defined(), b, y, rows, in_features(), out_features(), team, claims);
   }
 
-  int64_t in_features() const { return packed.defined() ? packed.size(1) * kLanes : weight.size(1); }
-  int64_t out_features() const { return packed.defined() ? packed_out : weight.size(0); }
-  bool is_module() const { return !weight.defined() && !packed.defined(); }
+  int64_t in_features() const {
+    if (gguf != nullptr) return gguf->in_features();
+    return packed.defined() ? packed.size(1) * kLanes : weight.size(1);
+  }
+  int64_t out_features() const {
+    if (gguf != nullptr) return gguf->out_features();
+    return packed.defined() ? packed_out : weight.size(0);
+  }
+  bool is_module() const { return module.ptr() != nullptr; }
+
+  // row `row` of the weight in fp32 (a token embedding)
+  void weight_row(int64_t row, float* out) const {
+    const int64_t k = in_features();
+    if (gguf != nullptr)
+      gguf->dequantize_row(row, out);
+    else if (packed.defined())
+      packed_row(packed.data_ptr<float>(), k, row, out);
+    else
+      std::copy(weight.data_ptr<float>() + row * k, weight.data_ptr<float>() + (row + 1) * k,
+                out);
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (module) {       // forward() runs without the GIL (see bindings): take it for Python
       pybind11::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
+    if (gguf != nullptr)
+      return gguf->linear(x, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     // the same choices as layers/linear.py: our kernels up to kLinearRowsMax rows, x @ W^T
     // (MKL's packed GEMM) for longer query runs
     at::Tensor y;
@@ -192,18 +224,25 @@ class DecodeStack {
   // all steps (no fork/join between them); the head's columns are claimed like any projection
   // and each thread argmaxes an even part of the vocabulary; the parts combine in column order.
   //
-  // embedding: [vocab, hidden] rows, or (embedding_packed) the packed LM head itself (tied);
-  // head: packed or row-major [vocab, hidden]; cos_sin: rotary table [positions, 2, head_dim].
+  // embedding, head: [vocab, hidden] weights as projections take them (an fp32 tensor, a
+  // packed tuple, a GgufWeight; a tied model passes the same one twice); cos_sin: rotary table
+  // [positions, 2, head_dim]. Called with the GIL held: it reads the Python objects, then
+  // releases the GIL for the steps.
   at::Tensor generate(at::Tensor ids, at::Tensor positions, int64_t steps,
                       std::vector<at::Tensor> kv_caches, at::Tensor block_tables,
-                      at::Tensor cos_sin, at::Tensor embedding, bool embedding_packed,
-                      at::Tensor head, bool head_packed, int64_t vocab) {
+                      at::Tensor cos_sin, pybind11::object embedding, pybind11::object head,
+                      int64_t vocab) {
+    const pybind11::object no_bias = pybind11::none();
+    const Projection table = Projection::from(embedding, no_bias);
+    const Projection lm_head = Projection::from(head, no_bias);
+    // declared after the projections: the GIL is back before their Python references drop
+    pybind11::gil_scoped_release release;
     const int64_t n = ids.numel();
     TORCH_CHECK(steps >= 1, "steps must be >= 1, got ", steps);
     TORCH_CHECK(n >= 1 && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
                     positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                     positions.numel() == n, "ids / positions must be int64 [n]");
-    TORCH_CHECK(team_runs_all(n), "generate needs fp32 projections our kernels run");
+    TORCH_CHECK(team_runs_all(n), "generate needs projections our kernels run at ", n, " rows");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one kv cache per layer");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
                     block_tables.stride(1) == 1 && block_tables.size(0) == n,
@@ -211,19 +250,11 @@ class DecodeStack {
     check_fp32_cpu(cos_sin, "cos_sin table");
     TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim_ &&
                     cos_sin.is_contiguous(), "cos_sin table must be [positions, 2, head_dim]");
-    check_fp32_cpu(embedding, "embedding");
-    check_fp32_cpu(head, "head");
-    if (embedding_packed)
-      check_packed_weight(embedding, hidden_, vocab);
-    else
-      TORCH_CHECK(embedding.dim() == 2 && embedding.size(0) == vocab &&
-                      embedding.size(1) == hidden_ && embedding.is_contiguous(),
-                  "embedding must be [vocab, hidden]");
-    if (head_packed)
-      check_packed_weight(head, hidden_, vocab);
-    else
-      TORCH_CHECK(head.dim() == 2 && head.size(0) == vocab && head.size(1) == hidden_ &&
-                      head.is_contiguous(), "head must be [vocab, hidden]");
+    for (const Projection* p : {&table, &lm_head})
+      TORCH_CHECK(!p->is_module() && p->in_features() == hidden_ && p->out_features() == vocab,
+                  "embedding and head must be [vocab = ", vocab, ", hidden = ", hidden_,
+                  "] weights our kernels read");
+    TORCH_CHECK(lm_head.team_runnable(n), "the LM head cannot run ", n, " rows in a team");
     const auto [num_slots, block_size] = check_caches(kv_caches);
     const int64_t* id0 = ids.data_ptr<int64_t>();
     const int64_t* pos0 = positions.data_ptr<int64_t>();
@@ -245,7 +276,7 @@ class DecodeStack {
                   block_tables.size(1), num_slots, block_size);
       }
     }
-    const auto opts = head.options();
+    const auto opts = cos_sin.options();
     const int64_t inter = widest_mlp();
     SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
                      opts);
@@ -283,14 +314,8 @@ class DecodeStack {
       const int64_t v0 = Team::split(vocab, team.rank(), team.size()),
                     v1 = Team::split(vocab, team.rank() + 1, team.size());
       for (int64_t s = 0; s < steps; ++s) {
-        for (int64_t t = 0; t < n; ++t) {            // every thread embeds every row
-          if (embedding_packed)
-            packed_row(embedding.data_ptr<float>(), hidden_, tokens[t], x.data() + t * hidden_);
-          else
-            std::copy(embedding.data_ptr<float>() + tokens[t] * hidden_,
-                      embedding.data_ptr<float>() + (tokens[t] + 1) * hidden_,
-                      x.data() + t * hidden_);
-        }
+        for (int64_t t = 0; t < n; ++t)             // every thread embeds every row
+          table.weight_row(tokens[t], x.data() + t * hidden_);
         const Step st{kv_caches, slots.data() + s * n, tables, table_stride, lens.data() + s * n,
                       cos_steps[s], sin_steps[s], num_slots, block_size, n};
         ShareClaim* claim = claims.data() + s * step_claims;
@@ -298,8 +323,7 @@ class DecodeStack {
         add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), normed.data(), pv.residual.data(), n,
                           hidden_, eps_);
-        linear_team(normed.data(), hidden_, head.data_ptr<float>(), head_packed, nullptr,
-                    logits_p, n, hidden_, vocab, team,
+        lm_head.run(normed.data(), hidden_, logits_p, n, team,
                     claim + layers_.size() * kWorks * threads);
         team.barrier();
         for (int64_t t = 0; t < n; ++t)
@@ -586,8 +610,7 @@ void bind_decode_stack(pybind11::module& m) {
       // keep going; quantized projections re-acquire it for their module call
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("can_generate", &DecodeStack::can_generate)
-      .def("generate", &DecodeStack::generate,
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("generate", &DecodeStack::generate);   // releases the GIL itself
 }
 
 }  // namespace kvforge

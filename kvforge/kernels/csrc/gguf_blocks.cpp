@@ -10,9 +10,8 @@
 #endif
 
 namespace kvforge {
-// GGUF weights multiplied in the file's own block formats (docs/gguf_native.md).
-//
-// Every quantized format is read through one intermediate form, a row of *codes*:
+// GGUF block formats (docs/gguf_native.md): their sizes, and each type unpacked to one
+// intermediate form, a row of *codes*:
 //
 //   q   int8  [K]        small integers (0..31, -32..31 or int8)
 //   sc  float [K / 16]   scale of each 16 weights
@@ -20,25 +19,10 @@ namespace kvforge {
 //
 //   w[i] = sc[i / 16] * q[i] + off[i / 32]
 //
-// A weight row is unpacked into codes once (a few KB: stays in L1) and then dotted with every
-// activation row. Activation rows are quantized once per call to int8 with a step per 16:
-//
-//   xq  int8  [K]        round(x / xd), |xq| <= 127
-//   xd  float [K / 16]   max |x| / 127 of each 16
-//   xs  float [K / 32]   sum of xd * sum(xq) over each 32   (what an `off` multiplies)
-//
-//   dot(w, x) ~ sum_b sc[2b] xd[2b] * (q.xq over 16) + sc[2b+1] xd[2b+1] * (q.xq over 16)
-//               + off[b] * xs[b]
-//
-// so the inner loop is an 8-bit integer dot product (AVX2: maddubs + madd, 32 weights per step)
-// and the float work is one FMA per 32 weights: maddubs + madd leaves the sums of bytes 0..15
-// in int32 lanes 0..3 and of bytes 16..31 in lanes 4..7, so the two halves' scales (Q6_K's
-// 16-weight sub-blocks, the activations' 16-wide steps) are one [s0 x4 | s1 x4] vector.
-// llama.cpp rounds activations per 32 (Q8_0/Q8_1) or 256 (Q8_K, for K-quants); per 16 costs
-// nothing extra here, keeps one code path for every format and confines an outlier channel's
-// coarse step to 16 values (SmolLM2's activations have channels ~20x their rms).
-//
-// Many rows (prefill): rows of W are dequantized to fp32 tiles and multiplied by ATen's GEMM.
+// Codes are the reference form: dequantization (embedding rows, prefill tiles) and the
+// portable dot kernel read them; the AVX2 dot kernels (gguf_dot.cpp) decode blocks in registers
+// instead. Many rows (prefill): rows of W are dequantized to fp32 tiles and multiplied by
+// ATen's GEMM (many_rows).
 namespace {
 
 // ggml's enum ggml_type (gguf-py: GGMLQuantizationType)
@@ -268,94 +252,6 @@ void dequantize_row(int64_t type, const BlockFormat& f, const uint8_t* row, int6
     out[i] = s.sc[i / 16] * static_cast<float>(s.q[i]) + s.off[i / 32];
 }
 
-// ---- activations -> 8-bit blocks --------------------------------------------------------
-// A step per 16 activations (the dot's two int32 halves take a scale each anyway, so this is
-// free in the inner loop and halves the reach of an outlier channel's coarse step).
-struct QuantizedRows {
-  std::vector<int8_t> q;        // [rows, K]
-  std::vector<float> d;         // [rows, K / 16]
-  std::vector<float> s;         // [rows, K / 32]
-};
-
-void quantize_activations(const float* x, int64_t xs, int64_t rows, int64_t k,
-                          QuantizedRows& out) {
-  const int64_t halves = k / 16;
-  out.q.resize(rows * k);
-  out.d.resize(rows * halves);
-  out.s.resize(rows * (k / 32));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < halves; ++h) {
-      const float* v = x + r * xs + 16 * h;
-      int8_t* q = out.q.data() + r * k + 16 * h;
-      float amax = 0.f;
-      for (int j = 0; j < 16; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int j = 0; j < 16; ++j) {
-        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
-        q[j] = static_cast<int8_t>(c);
-        sum += c;
-      }
-      out.d[r * halves + h] = d;
-      float& s = out.s[r * (k / 32) + h / 2];
-      s = (h % 2 ? s : 0.f) + d * static_cast<float>(sum);
-    }
-}
-
-// ---- codes . quantized activations --------------------------------------------------------
-#if defined(__AVX2__)
-// the 8 int32 partial sums of q[0:32] . x[0:32] as floats: lanes 0..3 bytes 0..15, 4..7 16..31.
-// maddubs multiplies unsigned by signed bytes, so |q| against x with q's sign (|q| <= 128,
-// |x| <= 127: a pair sum fits int16)
-inline __m256 block_dot(const int8_t* q, const int8_t* x) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-// [sc0 * xd0 x4 | sc1 * xd1 x4]: the scales of the block's two 16-halves
-inline __m256 block_scale(const float* sc, const float* xd) {
-  return _mm256_set_m128(_mm_set1_ps(sc[1] * xd[1]), _mm_set1_ps(sc[0] * xd[0]));
-}
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-float dot_codes(const int8_t* q, const float* sc, const float* off, const int8_t* xq,
-                const float* xd, const float* xs, int64_t k) {
-  const int64_t blocks = k / 32;
-  float total = 0.f;
-#if defined(__AVX2__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {   // two chains: the FMA latency overlaps
-    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b),
-                           block_scale(sc + 2 * b, xd + 2 * b), acc0);
-    acc1 = _mm256_fmadd_ps(block_dot(q + 32 * b + 32, xq + 32 * b + 32),
-                           block_scale(sc + 2 * b + 2, xd + 2 * b + 2), acc1);
-  }
-  if (b < blocks)
-    acc0 = _mm256_fmadd_ps(block_dot(q + 32 * b, xq + 32 * b),
-                           block_scale(sc + 2 * b, xd + 2 * b), acc0);
-  total = hsum256(_mm256_add_ps(acc0, acc1));
-#else
-  for (int64_t b = 0; b < blocks; ++b) {
-    int32_t lo = 0, hi = 0;
-    for (int j = 0; j < 16; ++j) lo += q[32 * b + j] * xq[32 * b + j];
-    for (int j = 16; j < 32; ++j) hi += q[32 * b + j] * xq[32 * b + j];
-    total += sc[2 * b] * xd[2 * b] * static_cast<float>(lo) +
-             sc[2 * b + 1] * xd[2 * b + 1] * static_cast<float>(hi);
-  }
-#endif
-  float offsets = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) offsets += off[b] * xs[b];
-  return total + offsets;
-}
-
 // A projection's shards (q | k | v, gate | up): each its own raw tensor and type.
 struct Shards {
   std::vector<const uint8_t*> data;
@@ -400,43 +296,12 @@ struct Shards {
 };
 
 // rows above which a projection dequantizes weight tiles for ATen's GEMM instead of running
-// integer dot products: each weight row is unpacked once either way, so the dot products cost
-// ~M times a dequantized row's GEMM share; past ~16 rows the GEMM is the faster
-constexpr int64_t kGgufDotRowsMax = 16;
-
-// Threads split the output rows as a team (team.h): each takes its own share from the front
-// and then the tail of the others', so a thread the OS has descheduled (more runnable threads
-// than cores) delays the call by one chunk instead of a whole static share. With
-// at::parallel_for's static split, SmolLM2's ~120 projections a step each waited for the
-// slower thread: ~5x slower decode steps on a loaded 2-core box.
-void few_rows(const float* x, int64_t xs, int64_t rows, int64_t k, const Shards& shards,
-              float* y) {
-  QuantizedRows xq;
-  if (shards.any_quantized) quantize_activations(x, xs, rows, k, xq);
-  const int64_t n_total = shards.rows(), halves = k / 16, blocks = k / 32;
-  std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
-  run_team([&](const Team& team) {
-    RowScratch s(k);
-    team.for_shares(n_total, 64, claims.data(), [&](int64_t n0, int64_t n1, int64_t) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const size_t shard = shards.shard_of(n);
-        const uint8_t* row = shards.row(shard, n);
-        const int64_t type = shards.type[shard];
-        if (shards.format[shard].quantized) {
-          unpack_row(type, row, k, s.q.data(), s.sc.data(), s.off.data());
-          for (int64_t m = 0; m < rows; ++m)
-            y[m * n_total + n] = dot_codes(s.q.data(), s.sc.data(), s.off.data(),
-                                           xq.q.data() + m * k, xq.d.data() + m * halves,
-                                           xq.s.data() + m * blocks, k);
-        } else {
-          float_row(type, row, k, s.values.data());
-          for (int64_t m = 0; m < rows; ++m)
-            y[m * n_total + n] = dot(x + m * xs, s.values.data(), k);
-        }
-      }
-    });
-  });
-}
+// integer dot products. The dot kernels decode each weight block once per group of 4 rows, so
+// their cost grows ~linearly in rows; the tiles pay a dequantization of the whole weight per
+// call and then fp32 FMAs (a quarter of maddubs' multiplies per instruction). Timed on a Q4_K
+// gate|up of Qwen2.5-1.5B: dots ~1.1 ms a row at 4-16 rows, tiles ~2.4 ms a row at 32 rows
+// (~0.9 at 512): the dots win through batched decode; prefill chunks take the tiles.
+constexpr int64_t kGgufDotRowsMax = 64;
 
 void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
   const int64_t k = x.size(1);
@@ -460,51 +325,4 @@ void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
 }
 
 }  // namespace
-
-at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
-                       c10::optional<at::Tensor> bias) {
-  check_fp32_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1,
-              "gguf_linear: x must be [M >= 1, K] with contiguous rows");
-  const int64_t rows = x.size(0), k = x.size(1);
-  const Shards shards(raws, types, k);
-  at::Tensor y = at::empty({rows, shards.rows()}, x.options());
-  if (rows <= kGgufDotRowsMax)
-    few_rows(x.data_ptr<float>(), x.stride(0), rows, k, shards, y.data_ptr<float>());
-  else
-    many_rows(x, shards, y);
-  if (bias.has_value() && bias->defined()) {
-    check_fp32_cpu(*bias, "bias");
-    TORCH_CHECK(bias->numel() == shards.rows(), "bias has ", bias->numel(), " entries for ",
-                shards.rows(), " outputs");
-    y.add_(*bias);
-  }
-  return y;
-}
-
-at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
-                           c10::optional<at::Tensor> ids) {
-  const Shards shards({raw}, {type}, k);
-  at::Tensor picked;
-  if (ids.has_value() && ids->defined()) {
-    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong,
-                "gguf_dequantize: ids must be a 1-D int64 tensor");
-    picked = ids->contiguous();
-  }
-  const int64_t n = picked.defined() ? picked.size(0) : raw.size(0);
-  const int64_t* id = picked.defined() ? picked.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; id != nullptr && i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < raw.size(0), "row id ", id[i], " out of range for ",
-                raw.size(0), " rows");
-  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const BlockFormat f = shards.format[0];
-  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    RowScratch scratch(k);
-    for (int64_t r = r0; r < r1; ++r)
-      dequantize_row(type, f, shards.row(0, id ? id[r] : r), k, scratch, o + r * k);
-  });
-  return out;
-}
-
 }  // namespace kvforge

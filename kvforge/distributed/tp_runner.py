@@ -1,0 +1,191 @@
+"""Rank 0 of a tensor-parallel engine: the ``ModelRunner`` with its model sliced and every
+model call mirrored on the workers.
+
+    LLMEngine ── Scheduler, KV block tables (here only)
+        └─ TensorParallelModelRunner (rank 0)        workers (ranks 1..N-1, tp_worker.py)
+             execute(sched) ─ copy_blocks ─────────► same copies in their caches
+                            ─ model(ids, pos, meta) ► same forward on their slices
+                               (all-reduces in each layer, all ranks together)
+                            ─ compute_logits(rows) ─► rows broadcast, logits all-gathered
+                            sampling, outputs: rank 0 only
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.distributed.comm import CommGroup, open_store
+from kvforge.distributed.executor import WorkerDiedError, create_executor
+from kvforge.distributed.tp_model import load_tensor_parallel_model
+from kvforge.distributed.tp_plan import TensorParallelPlan, check_tensor_parallel_model
+from kvforge.distributed.tp_worker import WorkerSpec, error_key, joined_key
+from kvforge.engine.model_runner import ModelRunner
+from kvforge.loader.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """``num_threads`` when given, else the physical cores shared out among the ranks."""
+    from kvforge.engine.llm_engine import default_num_threads
+    return config.num_threads or max(1, default_num_threads() // config.tensor_parallel_size)
+
+
+def create_model_runner(config: EngineConfig, source: ModelSource,
+                        max_model_len: int) -> ModelRunner:
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, source, max_model_len)
+    return TensorParallelModelRunner(config, source, max_model_len)
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the workers' executor and the collectives; every failure of a
+    collective while a worker is dead becomes one ``WorkerDiedError``, raised again on every
+    later call."""
+
+    def __init__(self, config: EngineConfig, join_timeout: float = 600.0) -> None:
+        self.world_size = n = config.tensor_parallel_size
+        self.error: WorkerDiedError | None = None
+        self._closed = False
+        self.executor = create_executor(config.distributed_executor_backend, n - 1)
+        host = self.executor.host()
+        self.store = open_store(host, n)
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        try:
+            self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
+                                            threads_per_rank(config), backend)
+                                 for rank in range(1, n)])
+            self._wait_joined(join_timeout)
+            self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
+        except BaseException:
+            self._closed = True
+            self.executor.stop(timeout=0.0)     # the ones started: nothing waits for them
+            raise
+
+    def _wait_joined(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        keys = [joined_key(r) for r in range(1, self.world_size)]
+        while not self.store.check(keys):
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"tensor-parallel workers did not start within {timeout} s")
+            time.sleep(0.05)
+
+    def _raise_if_dead(self, cause: BaseException | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+        dead = self.executor.dead_workers()
+        if not dead:
+            return
+        lines = []
+        for line in dead:
+            rank = int(line.split()[1])
+            lines.append(line)
+            if self.store.check([error_key(rank)]):
+                lines.append(self.store.get(error_key(rank)).decode(errors="replace").strip())
+        self.error = WorkerDiedError("tensor-parallel worker died: " + "; ".join(lines))
+        raise self.error from cause
+
+    def guard(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, with a collective's failure turned into the workers' death report."""
+        self._raise_if_dead()
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, WorkerDiedError):
+                raise
+            # the dead worker's exit may lag its closed sockets by a moment
+            for _ in range(50):
+                self._raise_if_dead(e)
+                time.sleep(0.02)
+            raise
+
+    def send(self, cmd: tuple) -> None:
+        self.guard(self.comm.broadcast_object, cmd)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.error is None and not self.executor.dead_workers():
+            try:
+                self.comm.broadcast_object(("shutdown",))
+            except RuntimeError:
+                timeout = 0.0
+        else:
+            timeout = 0.0          # the live ones wait in a collective that cannot finish
+        self.executor.stop(timeout)
+
+
+class _DriverModel:
+    """Rank 0's slice as the ``ModelRunner`` calls it: each call is first broadcast."""
+
+    def __init__(self, model: torch.nn.Module, group: TensorParallelGroup) -> None:
+        self._model, self._group = model, group
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        self._group.send(("forward", input_ids, positions, meta))
+        return self._group.guard(self._model, input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.contiguous()
+        self._group.send(("logits", tuple(rows.shape)))
+
+        def project():
+            self._group.comm.broadcast(rows)
+            return self._model.compute_logits(rows)
+        return self._group.guard(project)
+
+    def __getattr__(self, name):
+        # multi-step decoding is the compiled single-process stack: not offered here
+        if name in ("can_decode_steps", "decode_steps", "decode_stack"):
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+class TensorParallelModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        n = config.tensor_parallel_size
+        check_tensor_parallel_model(source.config, n)     # before any worker starts
+        from kvforge.attention.window_setup import resolve_attention_window
+        if resolve_attention_window(config, source.config) is not None:
+            raise ValueError("tensor parallel runs full attention only: this model or these "
+                             "options set an attention window")
+        self.tp = TensorParallelGroup(config)
+        try:
+            super().__init__(config, source, max_model_len)
+            # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the
+            # block count that fits its budget fits every rank's
+            self.tp.send(("init_cache", self.num_blocks, self.block_size))
+        except BaseException:
+            self.tp.shutdown(timeout=0.0)
+            raise
+        self.model = _DriverModel(self.model, self.tp)
+        weakref.finalize(self, self.tp.shutdown)
+        logger.info("tensor parallel: %d ranks (%s), %d threads each", n,
+                    config.distributed_executor_backend, threads_per_rank(config))
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        plan = TensorParallelPlan.for_rank(source.config, self.tp.world_size, 0)
+        return self.tp.guard(load_tensor_parallel_model, source, plan, self.tp.comm,
+                             attn_backend=self.config.attention_backend, dtype=self.dtype,
+                             device=self.device)
+
+    @property
+    def supports_decode_steps(self) -> bool:
+        return False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.tp.executor.worker_pids()
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.tp.send(("copy_blocks", copies))
+        super()._copy_blocks(copies)
+
+    def shutdown(self) -> None:
+        self.tp.shutdown()

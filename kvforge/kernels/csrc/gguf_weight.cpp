@@ -1,0 +1,151 @@
+// GgufWeight: one projection over GGUF blocks (q | k | v, gate | up: a raw tensor and type per
+// shard, as the file stores them), checked once at load and multiplied in place:
+//
+//   rows <= kGgufDotRowsMax   integer dot products straight from the blocks (gguf_dot.cpp),
+//                             the output rows split between a team's threads (team.h); inside a
+//                             DecodeStack step (run) or as one call from Python (linear)
+//   more rows (prefill)       weight tiles dequantized to fp32 for ATen's GEMM (many_rows)
+//
+// The raw tensors are views of the file's memory map (quant/gguf.py): nothing is copied.
+#include "kernels.h"
+
+namespace kvforge {
+
+class GgufWeight {
+ public:
+  // reference_kernels: the portable code-by-code kernels instead of the AVX2 ones (tests)
+  GgufWeight(std::vector<at::Tensor> raws, std::vector<int64_t> types, int64_t in_features,
+             bool reference_kernels)
+      : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features) {
+    for (size_t s = 0; s < shards_.type.size(); ++s)
+      dots_.push_back(shards_.format[s].quantized
+                          ? rows_dot_for(shards_.type[s], reference_kernels)
+                          : nullptr);
+  }
+
+  int64_t in_features() const { return k_; }
+  int64_t out_features() const { return shards_.rows(); }
+
+  // This thread's part of y [rows, out] (row stride ys) = x [rows, K] @ W^T (+ bias) inside a
+  // team's region (rows <= kGgufDotRowsMax). Every thread quantizes the activations itself (a
+  // few us: cheaper than a barrier), then claims output rows (`claims`: team-size zeroed).
+  void run(const float* x, int64_t xs, const float* bias, float* y, int64_t ys, int64_t rows,
+           const Team& team, ShareClaim* claims) const {
+    thread_local GgufActivations act;
+    thread_local std::vector<float> values;
+    const ActRow* acts = nullptr;
+    if (shards_.any_quantized) {
+      act.quantize(x, xs, rows, k_);
+      acts = act.rows(rows);
+    }
+    float out[kGgufDotRowsMax];
+    team.for_shares(out_features(), kChunkRows, claims, [&](int64_t n0, int64_t n1, int64_t) {
+      size_t s = shards_.shard_of(n0);
+      for (int64_t n = n0; n < n1; ++n) {
+        while (shards_.first_row[s + 1] <= n) ++s;
+        const uint8_t* row = shards_.row(s, n);
+        const float b = bias != nullptr ? bias[n] : 0.f;
+        if (dots_[s] != nullptr) {
+          dots_[s](row, k_, acts, rows, out);
+          for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = out[m] + b;
+        } else {                         // a float row (F32 / F16 / BF16): fp32 dot products
+          values.resize(k_);
+          float_row(shards_.type[s], row, k_, values.data());
+          for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = dot(x + m * xs, values.data(), k_) + b;
+        }
+      }
+    });
+  }
+
+  at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const {
+    check_fp32_cpu(x, "x");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.size(1) == k_,
+                "GGUF linear: x must be [M >= 1, ", k_, "] with contiguous rows, got ",
+                x.sizes());
+    const float* b = nullptr;
+    if (bias.has_value() && bias->defined()) {
+      check_fp32_cpu(*bias, "bias");
+      TORCH_CHECK(bias->numel() == out_features() && bias->is_contiguous(), "bias has ",
+                  bias->numel(), " entries for ", out_features(), " outputs");
+      b = bias->data_ptr<float>();
+    }
+    const int64_t rows = x.size(0);
+    at::Tensor y = at::empty({rows, out_features()}, x.options());
+    if (rows <= kGgufDotRowsMax) {
+      std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
+      run_team([&](const Team& team) {
+        run(x.data_ptr<float>(), x.stride(0), b, y.data_ptr<float>(), out_features(), rows, team,
+            claims.data());
+      });
+    } else {
+      many_rows(x, shards_, y);
+      if (b != nullptr) y.add_(*bias);
+    }
+    return y;
+  }
+
+  // row n of W in fp32 (an embedding lookup)
+  void dequantize_row(int64_t n, float* out) const {
+    const size_t s = shards_.shard_of(n);
+    RowScratch scratch(k_);
+    kvforge::dequantize_row(shards_.type[s], shards_.format[s], shards_.row(s, n), k_, scratch,
+                            out);
+  }
+
+  // rows `ids` (all rows when absent) in fp32
+  at::Tensor dequantize(const c10::optional<at::Tensor>& ids) const {
+    at::Tensor picked;
+    if (ids.has_value() && ids->defined()) {
+      TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong,
+                  "GGUF dequantize: ids must be a 1-D int64 tensor");
+      picked = ids->contiguous();
+    }
+    const int64_t n = picked.defined() ? picked.size(0) : out_features();
+    const int64_t* id = picked.defined() ? picked.data_ptr<int64_t>() : nullptr;
+    for (int64_t i = 0; id != nullptr && i < n; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < out_features(), "row id ", id[i], " out of range for ",
+                  out_features(), " rows");
+    at::Tensor out = at::empty({n, k_}, at::TensorOptions().dtype(at::kFloat));
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequantize_row(id ? id[r] : r, o + r * k_);
+    });
+    return out;
+  }
+
+ private:
+  // output rows a claim takes at most (team.h): ~15-30 KB of blocks at K = 1536
+  static constexpr int64_t kChunkRows = 32;
+
+  std::vector<at::Tensor> raws_;     // owns the mapped bytes the shards point into
+  Shards shards_;
+  int64_t k_;
+  std::vector<RowsDot> dots_;        // per shard; nullptr: a float row
+};
+
+at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
+                       c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K]");
+  return GgufWeight(std::move(raws), std::move(types), x.size(1), false).linear(x, bias);
+}
+
+at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
+                           c10::optional<at::Tensor> ids) {
+  return GgufWeight({raw}, {type}, k, false).dequantize(ids);
+}
+
+void bind_gguf_weight(pybind11::module& m) {
+  namespace py = pybind11;
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  py::class_<GgufWeight>(m, "GgufWeight", py::module_local())
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool>(),
+           py::arg("raws"), py::arg("types"), py::arg("in_features"),
+           py::arg("reference_kernels") = false)
+      .def_property_readonly("in_features", &GgufWeight::in_features)
+      .def_property_readonly("out_features", &GgufWeight::out_features)
+      .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),
+           release_gil())
+      .def("dequantize", &GgufWeight::dequantize, py::arg("ids") = py::none(), release_gil());
+}
+
+}  // namespace kvforge
