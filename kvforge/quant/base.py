@@ -14,6 +14,7 @@ reload does not recalibrate.
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -42,7 +43,15 @@ def get_quantization_config(name: str, **kwargs: Any) -> "QuantizationConfig | N
     _import_builtin()
     if name not in _QUANT_CONFIGS:
         raise ValueError(f"unknown quantization {name!r}; known: {['none'] + sorted(_QUANT_CONFIGS)}")
-    return _QUANT_CONFIGS[name](**kwargs)
+    cls = _QUANT_CONFIGS[name]
+    params = inspect.signature(cls.__init__).parameters
+    accepted = [p for p in params if p != "self"]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [] if open_ended else sorted(set(kwargs) - set(accepted))
+    if unknown:   # a TypeError from the constructor would not say which options exist
+        raise ValueError(f"quantization {name!r} has no option {unknown[0]!r}; its options: "
+                         f"{accepted}")
+    return cls(**kwargs)
 
 
 def _import_builtin() -> None:

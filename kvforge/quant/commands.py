@@ -42,8 +42,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kvforge.quant.loading import weight_bytes
     from kvforge.quant.serialize import save_quantized
     if args.quantization in (None, "", "none"):
-        raise ValueError("kvforge quantize needs --quantization (int8, int4, gguf, awq, "
-                         "smoothquant, llm_int8)")
+        from kvforge.quant.base import available_quantizations
+        raise ValueError(f"kvforge quantize needs --quantization, one of "
+                         f"{available_quantizations()}")
     t0 = time.perf_counter()
     source, model = _load(args)
     save_quantized(model, source, args.out)

@@ -23,6 +23,7 @@ from kvforge.quant import packing
 from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
                                 register_quantization)
 from kvforge.quant.int8 import Int8LinearMethod, lm_head_method
+from kvforge.quant.lowrank import LoRCConfigMixin
 
 
 @dataclass
@@ -147,26 +148,31 @@ class Int4LinearMethod(LinearMethod):
 
 
 @register_quantization("int4")
-class Int4Config(QuantizationConfig):
+class Int4Config(LoRCConfigMixin, QuantizationConfig):
     """``group_size`` in 32/64/128; ``lm_head``: "int8" (default), "int4" (group 32: faster at
-    batch 1, a little perplexity) or "none" (keep it float)."""
+    batch 1, a little perplexity) or "none" (keep it float); ``lorc_rank``: LoRC low-rank
+    compensation of every quantized layer (lowrank.py; 0 = off), ``lorc_act``: 1 weighs its
+    factors by calibration activations."""
 
-    def __init__(self, group_size: int = 64, lm_head: str = "int8") -> None:
+    def __init__(self, group_size: int = 64, lm_head: str = "int8", lorc_rank: int = 0,
+                 lorc_act: int = 0) -> None:
         self.group_size = packing.check_int4_group_size(group_size)
         self.lm_head = lm_head
         lm_head_method(lm_head, "lm_head")   # validates the choice
+        self.init_lorc(lorc_rank, lorc_act)
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
         if is_lm_head(prefix):
-            return lm_head_method(self.lm_head, prefix)
-        return Int4LinearMethod(self.group_size)
+            return self.lorc(lm_head_method(self.lm_head, prefix), prefix)
+        return self.lorc(Int4LinearMethod(self.group_size), prefix)
 
     def get_experts_method(self, prefix: str):
         from kvforge.quant.moe_experts import Int4ExpertsMethod
         return Int4ExpertsMethod(self.group_size)
 
     def describe(self) -> dict:
-        return {"group_size": self.group_size, "lm_head": self.lm_head}
+        out = {"group_size": self.group_size, "lm_head": self.lm_head}
+        return {**out, **self.lorc_args()}
 
 
 __all__ = ["Int4Blocks", "Int4LinearMethod", "Int4Config", "Int8LinearMethod"]

@@ -87,23 +87,32 @@ def lm_head_method(choice: str, prefix: str) -> LinearMethod | None:
     return Int8LinearMethod() if choice == "int8" else None
 
 
-@register_quantization("int8")
-class Int8Config(QuantizationConfig):
-    """Every linear layer, the LM head included unless ``lm_head="none"``, and MoE experts
-    (per expert, per output channel; quant/moe_experts.py). MoE routers stay float."""
+def _lorc_mixin():
+    from kvforge.quant.lowrank import LoRCConfigMixin     # lowrank imports int8 lazily
+    return LoRCConfigMixin
 
-    def __init__(self, lm_head: str = "int8") -> None:
+
+@register_quantization("int8")
+class Int8Config(_lorc_mixin(), QuantizationConfig):
+    """Every linear layer, the LM head included unless ``lm_head="none"``, and MoE experts
+    (per expert, per output channel; quant/moe_experts.py). MoE routers stay float.
+    ``lorc_rank``: LoRC low-rank compensation of the linear layers (lowrank.py; 0 = off),
+    ``lorc_act``: 1 weighs its factors by calibration activations."""
+
+    def __init__(self, lm_head: str = "int8", lorc_rank: int = 0, lorc_act: int = 0) -> None:
         lm_head_method(lm_head, "lm_head")
         self.lm_head = lm_head
+        self.init_lorc(lorc_rank, lorc_act)
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
         if is_lm_head(prefix):
-            return lm_head_method(self.lm_head, prefix)
-        return Int8LinearMethod()
+            return self.lorc(lm_head_method(self.lm_head, prefix), prefix)
+        return self.lorc(Int8LinearMethod(), prefix)
 
     def get_experts_method(self, prefix: str):
         from kvforge.quant.moe_experts import Int8ExpertsMethod
         return Int8ExpertsMethod()
 
     def describe(self) -> dict:
-        return {"lm_head": self.lm_head}
+        out = {"lm_head": self.lm_head}
+        return {**out, **self.lorc_args()}

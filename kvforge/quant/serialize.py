@@ -38,10 +38,11 @@ from kvforge.layers.linear import (Linear, MergedLinear, PackedRowsEmbedding,
                                    UnquantizedLinearMethod, dense_weight)
 from kvforge.layers.moe import EXPERT_SHARDS, FusedMoE, UnquantizedExpertsMethod
 from kvforge.quant import packing
-from kvforge.quant.calibration import (CalibratedLinearMethod, CalibratedQuantConfig,
-                                       InputScaledRows)
+from kvforge.quant.calibration import CalibratedLinearMethod, InputScaledRows
 from kvforge.quant.int4 import Int4Blocks
 from kvforge.quant.int8 import Int8Rows
+from kvforge.quant.lowrank import LoRCRows
+from kvforge.quant.row_formats import read_registered_rows, registered_companions
 
 QUANT_FILE = "kvforge_quantization.json"
 FORMAT = "kvforge-weight-only-v1"
@@ -94,6 +95,10 @@ def export_layer(prefix: str, layer: Linear):
 def _rows_tensors(name: str, saved, rows: slice) -> dict[str, torch.Tensor]:
     if isinstance(saved, InputScaledRows):      # one input: every shard carries the same s
         return {**_rows_tensors(name, saved.rows, rows), f"{name}.input_scales": saved.input_scale}
+    if isinstance(saved, LoRCRows):             # each shard its own low-rank factors
+        return {**_rows_tensors(name, saved.rows, rows), **saved.factor_tensors(name, rows)}
+    if hasattr(saved, "saved_tensors"):         # formats registered in row_formats.py
+        return saved.saved_tensors(name, rows)
     if isinstance(saved, Int4Blocks):
         return {f"{name}.qcodes": packing.pack_int4(saved.codes[rows]),
                 f"{name}.scales": saved.scale[rows], f"{name}.zeros": saved.zero[rows]}
@@ -103,7 +108,8 @@ def _rows_tensors(name: str, saved, rows: slice) -> dict[str, torch.Tensor]:
 
 
 def _int4_blocks(saved) -> Int4Blocks | None:
-    saved = saved.rows if isinstance(saved, InputScaledRows) else saved
+    while isinstance(saved, (InputScaledRows, LoRCRows)):
+        saved = saved.rows
     return saved if isinstance(saved, Int4Blocks) else None
 
 
@@ -170,7 +176,7 @@ def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
     qc = getattr(model, "quant_config", None)
     if qc is None:
         raise ValueError("the model is not quantized; load it with a quantization first")
-    pending = qc.pending_layers() if isinstance(qc, CalibratedQuantConfig) else []
+    pending = qc.pending_layers() if hasattr(qc, "pending_layers") else []
     if pending:
         raise ValueError(f"{qc.name} layers were never calibrated, e.g. {pending[0]!r}")
     # INT4 codes are padded to whole groups; the logical input sizes travel in the metadata
@@ -192,24 +198,30 @@ def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
 
 
 def iter_saved_weights(path: str) -> Iterator[tuple[str, object]]:
-    """(HF name, float tensor | Int4Blocks | Int8Rows | InputScaledRows) from a saved
-    quantized directory."""
+    """(HF name, float tensor | Int4Blocks | Int8Rows | a registered format, possibly wrapped
+    in InputScaledRows / LoRCRows) from a saved quantized directory."""
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt", device="cpu") as f:
         in_features = json.loads((f.metadata() or {}).get("int4_in_features", "{}"))
         keys = set(f.keys())
+        skipped = {"scales", "zeros", "input_scales", "lorc_u", "lorc_v"} | registered_companions()
         for key in sorted(keys):
             stem, _, suffix = key.rpartition(".")
-            if suffix == "qcodes":
+            registered = read_registered_rows(suffix, f.get_tensor, stem)
+            if registered is not None:
+                rows = registered
+            elif suffix == "qcodes":
                 codes = packing.unpack_int4(f.get_tensor(key))
                 scale, zero = f.get_tensor(f"{stem}.scales"), f.get_tensor(f"{stem}.zeros")
                 rows = Int4Blocks(codes, scale, zero, in_features[stem])
             elif suffix == "qweight":
                 rows = Int8Rows(f.get_tensor(key), f.get_tensor(f"{stem}.scales"))
-            elif suffix in ("scales", "zeros", "input_scales"):
+            elif suffix in skipped:
                 continue   # read with their codes
             else:
                 yield key, f.get_tensor(key)
                 continue
+            if f"{stem}.lorc_u" in keys:
+                rows = LoRCRows(rows, f.get_tensor(f"{stem}.lorc_u"), f.get_tensor(f"{stem}.lorc_v"))
             if f"{stem}.input_scales" in keys:
                 rows = InputScaledRows(rows, f.get_tensor(f"{stem}.input_scales"))
             yield f"{stem}.weight", rows

@@ -35,24 +35,30 @@ def _table_rows(stdout: str) -> dict[str, list[str]]:
 def test_short_run_reports_rows_that_agree_with_hf(capsys, hf_smollm):
     from kvforge.eval.corpus import load_corpus
     from kvforge.loader.source import load_model_source
-    rc = main(["--methods", "none,int8,int3", "--ppl-tokens", str(PPL_TOKENS),
-               "--decode-tokens", "2", "--batch", "2", "--rounds", "1", "--num-threads", "2"])
+    rc = main(["--methods", "none,int8,int3", "--ppl-tokens", f"{PPL_TOKENS // 2},{PPL_TOKENS}",
+               "--skip-large", "--decode-tokens", "2", "--batch", "2", "--rounds", "1",
+               "--num-threads", "2"])
     assert rc == 0
     out = capsys.readouterr()
-    assert "int3: skipped (ValueError: unknown quantization 'int3'" in out.err
+    assert "default int3: skipped (ValueError: unknown quantization 'int3'" in out.err
     rows = _table_rows(out.out)
     assert set(rows) == {"fp32", "int8"}
-    # columns: method, weights MiB, load s, ppl, ppl vs fp32, b1 tok/s, b1 x, b2 tok/s, b2 x
-    fp32, int8 = rows["fp32"], rows["int8"]
+    # columns: method, weights MiB, avg bits, load s, ppl@64, vs fp32, ppl@128, vs fp32,
+    # b1 tok/s, b1 x, b2 tok/s, b2 x
+    fp32, int8 = [rows[k][:4] + rows[k][6:] for k in ("fp32", "int8")]
     assert float(int8[1]) < 0.6 * float(fp32[1])
+    # int8 codes plus one bf16 scale per 576- or 1536-wide row
+    assert float(fp32[2]) == 32.0 and 8.0 < float(int8[2]) < 8.05
 
     ids = load_model_source(None).load_tokenizer().encode(load_corpus("shakespeare"),
                                                           add_special_tokens=False)
     hf_ppl, scored = hf_perplexity(hf_smollm, ids[:PPL_TOKENS], window=512)
     assert scored == PPL_TOKENS - 1
-    assert math.isclose(float(fp32[3]), hf_ppl, rel_tol=2e-3), (fp32[3], hf_ppl)
+    assert math.isclose(float(fp32[4]), hf_ppl, rel_tol=2e-3), (fp32[4], hf_ppl)
+    half_ppl, _ = hf_perplexity(hf_smollm, ids[:PPL_TOKENS // 2], window=512)
+    assert math.isclose(float(rows["fp32"][4]), half_ppl, rel_tol=2e-3)    # the prefix's
     # int8 weights move a 135M model's perplexity by well under 5%
-    assert abs(float(int8[3]) / float(fp32[3]) - 1) < 0.05, (int8[3], fp32[3])
-    assert fp32[4] == "+0.00%" and fp32[6] == "1.00x"
-    assert float(fp32[5]) > 0 and float(int8[7]) > 0
-    assert "SUMMARY quant: fp32:b1=1.00x" in out.out
+    assert abs(float(int8[4]) / float(fp32[4]) - 1) < 0.05, (int8[4], fp32[4])
+    assert fp32[5] == "+0.00%" and fp32[7] == "1.00x"
+    assert float(fp32[6]) > 0 and float(int8[8]) > 0
+    assert "SUMMARY quant default: fp32:b1=1.00x" in out.out

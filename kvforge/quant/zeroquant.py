@@ -1,0 +1,309 @@
+"""ZeroQuant W8A8 (Yao et al. 2022; fine-grained activations as in ZeroQuant-V2):
+``--quantization zeroquant``.
+
+Weights: INT8, symmetric, one scale per row per group of G input channels (``group_size``; 0 =
+one group spanning the row, i.e. per output channel):
+
+    W[o, k] ~= Wq[o, k] * w_scale[o, k // G]
+
+Activations: INT8, symmetric, quantized at run time ("dynamic") per token -- per token and per
+group of G channels with ``act_groups`` (the default): an outlier channel then coarsens only its
+own group's steps, not the whole token's. Integer matmul per group, exact int32 sums
+(``group_int_matmul``: ``torch._int_mm`` where it is fast, else an exact fp32 GEMM of the int8
+values), rescaled and summed in fp32:
+
+    y[t, o] = sum_g x_scale[t, g] * w_scale[o, g] * sum_{k in g} xq[t, k] Wq[o, k]
+
+(without ``act_groups`` x_scale[t] factors out of the sum). K is padded with zero columns to
+whole groups. The LM head stays float (its logits decide every token), as in smoothquant.
+
+LKD (``lkd_steps`` > 0): layer-wise knowledge distillation (lkd.py) of every quantized linear to
+its own float output on calibration text (quant/data/calibration.txt), before its codes are
+chosen; the distilled codes are what a save writes, so a reload does not distil again.
+LoRC (``lorc_rank``) adds a low-rank correction (lowrank.py); it is computed from the float
+weight at load, so it does not combine with LKD (which chooses the codes later).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.layers.linear import LinearMethod
+from kvforge.quant import packing
+from kvforge.quant.base import is_lm_head, load_bias_shard, register_quantization
+from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
+from kvforge.quant.lowrank import LoRCConfigMixin
+from kvforge.quant.row_formats import register_row_format
+from kvforge.quant.w8a8_ops import INT8_MAX
+
+ZEROQUANT_GROUP_SIZES = (0, 32, 64, 128, 256)
+# fp32 holds every integer below 2^24 exactly; a group's int8 x int8 dot product is at most
+# G * 127^2, below 2^24 for G <= 1040, so an fp32 GEMM of int8 values is the exact int32 sum
+EXACT_FP32_GROUP = 1024
+
+
+def group_int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Per-group integer products: xq [ng, T, G] int8, wq [ng, G, n] int8 -> [ng, T, n] fp32
+    holding the exact int32 sums. ``torch._int_mm`` where it is faster than fp32 on this CPU
+    (``int_mm_pays``), else an fp32 batched GEMM of the int8 values, exact for G <= 1024 and
+    done in exact slabs of 1024 for wider (per-channel) groups: the same numbers either way."""
+    if int_mm_pays():
+        return torch.stack([torch._int_mm(xq[g], wq[g]) for g in range(xq.shape[0])]).float()
+    width = xq.shape[-1]
+    if width <= EXACT_FP32_GROUP:
+        return torch.bmm(xq.float(), wq.float())
+    acc = None
+    for k0 in range(0, width, EXACT_FP32_GROUP):
+        part = torch.bmm(xq[..., k0:k0 + EXACT_FP32_GROUP].float(),
+                         wq[:, k0:k0 + EXACT_FP32_GROUP].float()).to(torch.int32)
+        acc = part if acc is None else acc + part
+    return acc.float()
+
+
+@functools.lru_cache(maxsize=1)
+def int_mm_pays() -> bool:
+    """Whether ``torch._int_mm`` beats an fp32 GEMM here (it needs VNNI-class int8 dot
+    products; without them PyTorch's CPU fallback ran ~20x slower than fp32 on a 2-core EPYC).
+    Measured once per process on a 64 x 512 x 512 product; the choice never changes results."""
+    a = torch.randint(-127, 128, (64, 512), dtype=torch.int8)
+    b = torch.randint(-127, 128, (512, 512), dtype=torch.int8)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(lambda: torch._int_mm(a, b)) < best(lambda: a.float() @ b.float())
+
+
+def group_width(group_size: int, in_features: int) -> int:
+    """Input channels per group: ``group_size``, or the whole row for 0."""
+    return in_features if group_size == 0 else group_size
+
+
+def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., K] -> [..., Kp/G, G] float32, K padded with zeros to whole groups."""
+    k = x.shape[-1]
+    kp = packing.padded_in_features(k, width)
+    return F.pad(x.float(), (0, kp - k)).view(*x.shape[:-1], kp // width, width)
+
+
+def quantize_int8_groups(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, K] -> (q [m, Kp/G, G] int8, scale [m, Kp/G] fp32): symmetric, max|x| -> 127 per
+    (row, group); an all-zero group gets scale 1e-12 and codes 0."""
+    g = _grouped(x, width)
+    scale = g.abs().amax(dim=-1).clamp_min(1e-12) / INT8_MAX
+    q = torch.round(g / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def fake_quantize_activations(x: torch.Tensor, width: int, act_groups: bool) -> torch.Tensor:
+    """What the kernel's activation rounding turns x [T, K] into, float [T, K] (LKD's input)."""
+    if act_groups:
+        q, s = quantize_int8_groups(x, width)
+        return (q.float() * s[..., None]).flatten(-2)[..., :x.shape[-1]]
+    s = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / INT8_MAX
+    return torch.round(x.float() / s).clamp_(-INT8_MAX, INT8_MAX) * s
+
+
+@dataclass
+class Int8GroupRows:
+    """Rows of a ZeroQuant weight: q [n, Kp] int8, scale [n, Kp/G] fp32, logical K."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        n, kp = self.q.shape
+        groups = self.scale.shape[1]
+        w = self.q.float().view(n, groups, kp // groups) * self.scale.float()[..., None]
+        return w.view(n, kp)[:, :self.in_features]
+
+    def saved_tensors(self, name: str, rows: slice) -> dict[str, torch.Tensor]:
+        return {f"{name}.zq_qweight": self.q[rows], f"{name}.zq_scales": self.scale[rows],
+                f"{name}.zq_in_features": torch.tensor([self.in_features], dtype=torch.int64)}
+
+
+register_row_format("zq_qweight", ("zq_scales", "zq_in_features"),
+                    lambda get, stem: Int8GroupRows(get(f"{stem}.zq_qweight"),
+                                                    get(f"{stem}.zq_scales"),
+                                                    int(get(f"{stem}.zq_in_features")[0])))
+
+
+class ZeroQuantLinearMethod(LinearMethod):
+    """Storage: ``qweight_g`` [Kp/G, G, n] int8 (each group's [G, n] slab contiguous: the right
+    operand of ``torch._int_mm``) and ``weight_scale_g`` [Kp/G, n] fp32."""
+
+    def __init__(self, group_size: int = 128, act_groups: bool = True) -> None:
+        self.group_size, self.act_groups = group_size, act_groups
+
+    def create_weights(self, layer, dtype, device):
+        n, k = layer.output_size, layer.input_size
+        width = group_width(self.group_size, k)
+        groups = packing.padded_in_features(k, width) // width
+        layer.qweight_g = nn.Parameter(torch.zeros(groups, width, n, dtype=torch.int8,
+                                                   device=device), requires_grad=False)
+        layer.weight_scale_g = nn.Parameter(torch.zeros(groups, n, device=device),
+                                            requires_grad=False)
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
+
+    def to_rows(self, weight: torch.Tensor) -> Int8GroupRows:
+        q, scale = quantize_int8_groups(weight, group_width(self.group_size, weight.shape[1]))
+        return Int8GroupRows(q.flatten(-2), scale, weight.shape[1])
+
+    def load_weight(self, layer, kind, loaded, output_offset):
+        rows = slice(output_offset, output_offset + loaded.shape[0])
+        if load_bias_shard(layer, kind, loaded, rows):
+            return
+        if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
+            raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
+                             f"with input_size {layer.input_size}")
+        saved = loaded if isinstance(loaded, Int8GroupRows) else self.to_rows(loaded)
+        groups, width, _ = layer.qweight_g.shape
+        if tuple(saved.scale.shape) != (saved.shape[0], groups):
+            raise ValueError(f"zeroquant rows with {saved.scale.shape[1]} groups do not fit a "
+                             f"layer of {groups} groups (group_size {self.group_size})")
+        layer.qweight_g[:, :, rows] = saved.q.view(-1, groups, width).permute(1, 2, 0)
+        layer.weight_scale_g[:, rows] = saved.scale.float().t()
+
+    def apply(self, layer, x):
+        x2d = x.reshape(-1, layer.input_size)
+        groups, width, n = layer.qweight_g.shape
+        if self.act_groups:
+            xq, x_scale = quantize_int8_groups(x2d, width)            # [T, ng, G], [T, ng]
+        else:
+            x_scale = x2d.float().abs().amax(dim=1).clamp_min(1e-12) / INT8_MAX
+            xq = torch.round(_grouped(x2d, width) / x_scale[:, None, None]).clamp_(
+                -INT8_MAX, INT8_MAX).to(torch.int8)
+        acc = group_int_matmul(xq.transpose(0, 1).contiguous(), layer.qweight_g)   # [ng, T, n]
+        acc.mul_(layer.weight_scale_g[:, None, :])
+        if self.act_groups:
+            acc.mul_(x_scale.t()[:, :, None])
+        y = acc.sum(dim=0)
+        if not self.act_groups:
+            y.mul_(x_scale[:, None])
+        if layer.has_bias:
+            y += layer.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], n)
+
+    def export_rows(self, layer) -> Int8GroupRows:
+        groups, width, n = layer.qweight_g.shape
+        q = layer.qweight_g.permute(2, 0, 1).reshape(n, groups * width)
+        return Int8GroupRows(q.contiguous(), layer.weight_scale_g.t().contiguous(),
+                             layer.input_size)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        return self.export_rows(layer).dequantize()
+
+
+class ZeroQuantLKDMethod(CalibratedLinearMethod):
+    """Float until calibrated: records a sample of its inputs, then distils (lkd.py) and
+    quantizes. The calibrated-method state is s = 1 (no input scaling)."""
+
+    inner: ZeroQuantLinearMethod | None = None
+
+    def compute_state(self, layer):
+        return {"scales": torch.ones(layer.input_size)}
+
+    def quantized_rows(self, weight, state):
+        from kvforge.quant.lkd import distil_weight
+        c = self.config
+        width = group_width(c.group_size, weight.shape[1])
+        quantizer = ZeroQuantLinearMethod(c.group_size, c.act_groups)
+        if self.samples is not None:
+            weight = distil_weight(
+                weight, self.samples,
+                fake_quant_weight=lambda w: quantizer.to_rows(w).dequantize(),
+                fake_quant_input=lambda x: fake_quantize_activations(x, width, c.act_groups),
+                steps=c.lkd_steps, lr=c.lkd_lr).weight
+        return quantizer.to_rows(weight)
+
+    def install(self, layer, scales, dtype):
+        if not bool((scales == 1).all()):
+            raise ValueError(f"zeroquant layer {self.prefix!r} got input scales other than 1")
+        self.inner = ZeroQuantLinearMethod(self.config.group_size, self.config.act_groups)
+        self.inner.create_weights(layer, dtype, scales.device)
+
+    def load_rows(self, layer, rows, output_offset):
+        if not isinstance(rows, Int8GroupRows):
+            raise ValueError(f"zeroquant layer {self.prefix!r} takes Int8GroupRows, got "
+                             f"{type(rows).__name__}")
+        self.inner.load_weight(layer, "weight", rows, output_offset)
+
+    def export_rows(self, layer):
+        return self.inner.export_rows(layer)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        return self.inner.dequantize(layer)
+
+    def apply_quantized(self, layer, x):
+        return self.inner.apply(layer, x)
+
+
+@register_quantization("zeroquant")
+class ZeroQuantConfig(LoRCConfigMixin, CalibratedQuantConfig):
+    """``group_size``: input channels per weight scale (32, 64, 128, 256; 0 = per output
+    channel); ``act_groups``: 1 quantizes activations per token and group, 0 per token;
+    ``lkd_steps`` (0 = no distillation, no calibration), ``lkd_samples`` (input rows kept per
+    layer), ``lkd_lr`` (Adam step, in units of the layer's mean quantization step);
+    ``lorc_rank`` (0 = off; not with LKD), ``lorc_act`` (1: activation-aware factors)."""
+
+    def __init__(self, group_size: int = 128, act_groups: int = 1, lkd_steps: int = 0,
+                 lkd_samples: int = 256, lkd_lr: float = 0.2, lorc_rank: int = 0,
+                 lorc_act: int = 0) -> None:
+        super().__init__()
+        if group_size not in ZEROQUANT_GROUP_SIZES:
+            raise ValueError(f"zeroquant group_size must be one of {ZEROQUANT_GROUP_SIZES}, "
+                             f"got {group_size!r}")
+        if act_groups not in (0, 1, True, False):
+            raise ValueError(f"zeroquant act_groups must be 0 or 1, got {act_groups!r}")
+        for name, value in (("lkd_steps", lkd_steps), ("lkd_samples", lkd_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"zeroquant {name} must be an integer >= 0, got {value!r}")
+        if lkd_steps and lkd_samples < 1:
+            raise ValueError(f"zeroquant lkd_samples must be >= 1 with LKD, got {lkd_samples!r}")
+        if not lkd_lr > 0:
+            raise ValueError(f"zeroquant lkd_lr must be > 0, got {lkd_lr!r}")
+        self.init_lorc(lorc_rank, lorc_act)
+        if lkd_steps and self.lorc_rank:
+            raise ValueError(f"zeroquant lorc_rank={lorc_rank} cannot be combined with "
+                             f"lkd_steps={lkd_steps} (LoRC factors the float weight's error at "
+                             f"load; LKD chooses the codes later)")
+        self.group_size, self.act_groups = group_size, bool(act_groups)
+        self.lkd_steps, self.lkd_samples, self.lkd_lr = lkd_steps, lkd_samples, float(lkd_lr)
+        self.needs_calibration = lkd_steps > 0 or self.lorc_act
+
+    def calibrate(self, model, batches) -> None:
+        if self.lorc_act:
+            LoRCConfigMixin.calibrate(self, model, batches)
+        else:
+            CalibratedQuantConfig.calibrate(self, model, batches)
+
+    def pending_layers(self) -> list[str]:
+        return LoRCConfigMixin.pending_layers(self) + CalibratedQuantConfig.pending_layers(self)
+
+    def get_linear_method(self, prefix: str):
+        if is_lm_head(prefix):
+            return None
+        if self.lkd_steps:
+            return self.register_method(ZeroQuantLKDMethod(self, prefix, self.lkd_samples))
+        return self.lorc(ZeroQuantLinearMethod(self.group_size, self.act_groups), prefix)
+
+    def describe(self) -> dict:
+        return {"group_size": self.group_size, "act_groups": int(self.act_groups),
+                "lkd_steps": self.lkd_steps, "lkd_samples": self.lkd_samples,
+                "lkd_lr": self.lkd_lr, **self.lorc_args()}
