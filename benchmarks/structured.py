@@ -115,14 +115,14 @@ def _compile_times(engine) -> tuple[float, list[list]]:
     from kvforge.structured.compiler import GrammarCompiler
     from kvforge.structured.params import StructuredOutputParams
     start = time.perf_counter()
-    view = GrammarCompiler(engine.tokenizer.hf_tokenizer, engine.model_config.vocab_size,
+    view = GrammarCompiler(lambda: engine.tokenizer.hf_tokenizer, engine.model_config.vocab_size,
                            engine.eos_token_ids)
     _ = view.ll_tokenizer
     view_s = time.perf_counter() - start
     rows = []
     for name, schema in COMPILE_SCHEMAS.items():
-        compiler = GrammarCompiler(engine.tokenizer.hf_tokenizer, engine.model_config.vocab_size,
-                                   engine.eos_token_ids)
+        compiler = GrammarCompiler(lambda: engine.tokenizer.hf_tokenizer,
+                                   engine.model_config.vocab_size, engine.eos_token_ids)
         compiler._ll_tokenizer = view.ll_tokenizer       # the per-engine part, timed above
         params = StructuredOutputParams(json=schema)
         t0 = time.perf_counter()

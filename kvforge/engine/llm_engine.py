@@ -116,7 +116,7 @@ class LLMEngine:
         self._max_decode_steps = (config.num_decode_steps if self.runner.supports_decode_steps
                                   else 1)
         # structured outputs (kvforge/structured): grammars over the model's vocabulary
-        self.grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer,
+        self.grammar_compiler = GrammarCompiler(lambda: self.tokenizer.hf_tokenizer,
                                                 self.model_config.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._seq_states: dict[str, _SeqState] = {}

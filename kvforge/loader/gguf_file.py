@@ -161,10 +161,14 @@ class GGUFFile:
 
     def _skip_array(self, pos: int, elem_type: GGUFValueType, count: int, key: str) -> int:
         if elem_type == GGUFValueType.STRING:
-            for _ in range(count):          # length-prefixed: walk the prefixes only
-                self._need(pos, 8, f"key {key!r}")
-                (n,) = struct.unpack_from("<Q", self._map, pos)
-                pos += 8 + n
+            # length-prefixed: walk the prefixes only (a 152k vocabulary + merges are ~300k
+            # strings, so the loop stays minimal; a length past the end is caught at the next
+            # prefix or at the end)
+            unpack, data, size = struct.unpack_from, self._map, self._size
+            for _ in range(count):
+                if pos + 8 > size:
+                    self._need(pos, 8, f"key {key!r}")     # raises: truncated
+                pos += 8 + unpack("<Q", data, pos)[0]
             self._need(pos, 0, f"key {key!r}")
             return pos
         fmt = _SCALAR_FORMATS.get(elem_type)

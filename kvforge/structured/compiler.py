@@ -24,10 +24,14 @@ class GrammarCompiler:
     ``matcher(params) -> GrammarMatcher``. Thread-safe: the server validates on its own thread
     while the engine thread makes matchers."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, load_hf_tokenizer, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        """``load_hf_tokenizer``: a function returning the transformers tokenizer, called on
+        the first structured request (loading transformers costs seconds of every start
+        otherwise; ``kvforge.Tokenizer`` reads a cached GGUF tokenizer without it)."""
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size!r}")
-        self._hf_tokenizer = hf_tokenizer
+        self._load_hf_tokenizer = load_hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._ll_tokenizer = None
@@ -42,7 +46,7 @@ class GrammarCompiler:
                 # the model's vocabulary (it may be padded past the tokenizer's): ids the
                 # tokenizer does not know are never allowed
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size,
+                    self._load_hf_tokenizer(), n_vocab=self.vocab_size,
                     eos_token=list(self.eos_token_ids) or None)
             return self._ll_tokenizer
 
