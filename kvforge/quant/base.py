@@ -107,6 +107,18 @@ class QuantizationConfig(ABC):
         return {}
 
 
+def weight_shard_rows(layer, kind: str, loaded, output_offset: int) -> slice | None:
+    """Shared head of the quantized ``load_weight``s: the output rows a weight shard fills, or
+    None when it was a bias shard (copied here). Raises on a weight whose shape cannot fit."""
+    rows = slice(output_offset, output_offset + loaded.shape[0])
+    if load_bias_shard(layer, kind, loaded, rows):
+        return None
+    if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
+        raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
+                         f"with input_size {layer.input_size}")
+    return rows
+
+
 def load_bias_shard(layer, kind: str, loaded, rows: slice) -> bool:
     """Shared head of the quantized ``load_weight``s: copies a bias shard into ``rows`` and
     returns True; returns False for a weight shard; raises on an unknown kind or a stray bias."""

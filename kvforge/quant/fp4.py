@@ -30,8 +30,8 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
-                                register_quantization)
+from kvforge.quant.base import (QuantizationConfig, is_lm_head, register_quantization,
+                                weight_shard_rows)
 from kvforge.quant.int8 import lm_head_method
 from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import register_row_format
@@ -193,12 +193,9 @@ class FP4LinearMethod(LinearMethod):
         return FP4Rows(codes, scale, weight.shape[1], offset)
 
     def load_weight(self, layer, kind, loaded, output_offset):
-        rows = slice(output_offset, output_offset + loaded.shape[0])
-        if load_bias_shard(layer, kind, loaded, rows):
+        rows = weight_shard_rows(layer, kind, loaded, output_offset)
+        if rows is None:
             return
-        if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
-            raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
-                             f"with input_size {layer.input_size}")
         fp4 = loaded if isinstance(loaded, FP4Rows) else self.to_rows(loaded)
         if fp4.group_size != self.group_size or (fp4.offset is not None) != self.asymmetric:
             raise ValueError(f"fp4 rows with group {fp4.group_size}, asymmetric "

@@ -15,8 +15,8 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
-                                register_quantization)
+from kvforge.quant.base import (QuantizationConfig, is_lm_head, register_quantization,
+                                weight_shard_rows)
 
 
 @dataclass
@@ -44,12 +44,9 @@ class Int8LinearMethod(LinearMethod):
             layer.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
 
     def load_weight(self, layer, kind, loaded, output_offset):
-        rows = slice(output_offset, output_offset + loaded.shape[0])
-        if load_bias_shard(layer, kind, loaded, rows):
+        rows = weight_shard_rows(layer, kind, loaded, output_offset)
+        if rows is None:
             return
-        if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
-            raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
-                             f"with input_size {layer.input_size}")
         if isinstance(loaded, Int8Rows):
             q, scale = loaded.q, loaded.scale
         else:

@@ -35,7 +35,7 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
-from kvforge.quant.base import is_lm_head, load_bias_shard, register_quantization
+from kvforge.quant.base import is_lm_head, register_quantization, weight_shard_rows
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import register_row_format
@@ -166,12 +166,9 @@ class ZeroQuantLinearMethod(LinearMethod):
         return Int8GroupRows(q.flatten(-2), scale, weight.shape[1])
 
     def load_weight(self, layer, kind, loaded, output_offset):
-        rows = slice(output_offset, output_offset + loaded.shape[0])
-        if load_bias_shard(layer, kind, loaded, rows):
+        rows = weight_shard_rows(layer, kind, loaded, output_offset)
+        if rows is None:
             return
-        if len(loaded.shape) != 2 or loaded.shape[1] != layer.input_size:
-            raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit a linear layer "
-                             f"with input_size {layer.input_size}")
         saved = loaded if isinstance(loaded, Int8GroupRows) else self.to_rows(loaded)
         groups, width, _ = layer.qweight_g.shape
         if tuple(saved.scale.shape) != (saved.shape[0], groups):
