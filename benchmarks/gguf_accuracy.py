@@ -87,16 +87,12 @@ def block_types(path: str) -> str:
 
 @torch.inference_mode()
 def chunked_logits(model, ids: list[int]) -> torch.Tensor:
-    from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.eval.perplexity import forward_in_chunks
     blocks = -(-len(ids) // 16)
     caches = [torch.zeros(model.kv_cache_shape(blocks, 16), dtype=model.kv_cache_dtype())
               for _ in range(model.num_layers)]
-    out = []
-    for start in range(0, len(ids), CHUNK):
-        piece = torch.tensor(ids[start:start + CHUNK])
-        meta = AttentionMetadata.build([len(piece)], [start], [list(range(blocks))], 16)
-        out.append(model.compute_logits(model(piece, meta.positions(), caches, meta)))
-    return torch.cat(out).float()
+    hidden = forward_in_chunks(model, torch.tensor(ids), caches, 16, CHUNK)
+    return model.compute_logits(hidden).float()
 
 
 def measure(path: str, tokens: int, agree_tokens: int, use_hf: bool) -> dict:

@@ -34,6 +34,20 @@ class PerplexityResult:
 
 
 @torch.inference_mode()
+def forward_in_chunks(model, tokens: torch.Tensor, caches: list[torch.Tensor], block_size: int,
+                      chunk: int) -> torch.Tensor:
+    """Hidden states of ``tokens`` (one sequence from position 0) as consecutive forwards of
+    ``chunk`` tokens over ``caches``, whose blocks 0, 1, ... hold the sequence."""
+    table = [list(range(-(-len(tokens) // block_size)))]
+    parts = []
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start:start + chunk]
+        meta = AttentionMetadata.build([len(piece)], [start], table, block_size, tokens.device)
+        parts.append(model(piece, meta.positions(), caches, meta))
+    return torch.cat(parts)
+
+
+@torch.inference_mode()
 def window_nll(model, ids: list[int], block_size: int = 16,
                chunk: int | None = None) -> tuple[float, int]:
     """Summed NLL of ids[1:] given their prefixes (one prefill, or forwards of ``chunk``
@@ -48,13 +62,7 @@ def window_nll(model, ids: list[int], block_size: int = 16,
     if chunk is None:
         hidden = model(tokens, meta.positions(), caches, meta)
     else:
-        table = [list(range(num_blocks))]
-        parts = []
-        for start in range(0, len(ids), chunk):
-            piece = tokens[start:start + chunk]
-            m = AttentionMetadata.build([len(piece)], [start], table, block_size, device)
-            parts.append(model(piece, m.positions(), caches, m))
-        hidden = torch.cat(parts)
+        hidden = forward_in_chunks(model, tokens, caches, block_size, chunk)
     logits = model.compute_logits(hidden[:-1]).float()
     nll = torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="sum")
     return float(nll), len(ids) - 1

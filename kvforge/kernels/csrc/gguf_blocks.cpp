@@ -236,11 +236,11 @@ void float_row(int64_t type, const uint8_t* row, int64_t k, float* out) {
   }
 }
 
-// Per-thread buffers of one weight row in either form.
+// Per-thread buffers of one weight row's codes (dequantize_row).
 struct RowScratch {
   std::vector<int8_t> q;
-  std::vector<float> sc, off, values;
-  explicit RowScratch(int64_t k) : q(k), sc(k / 16 + 1), off(k / 32 + 1), values(k) {}
+  std::vector<float> sc, off;
+  explicit RowScratch(int64_t k) : q(k), sc(k / 16 + 1), off(k / 32 + 1) {}
 };
 
 // one row of any supported type -> fp32 values
