@@ -344,6 +344,8 @@ struct Shards {
 // F16 / BF16) of a projection with more rows keep the tiles (many_rows): their dot is a plain
 // fp32 loop without blocking.
 constexpr int64_t kGgufDotRowsMax = 64;
+// how far ahead of its reads a dot kernel prefetches the weight stream (gguf_dot.cpp)
+constexpr int64_t kGgufPrefetchAhead = 8192;
 
 void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
   const int64_t k = x.size(1);

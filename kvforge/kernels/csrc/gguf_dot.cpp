@@ -170,12 +170,14 @@ struct GgufActivations {
 };
 
 // out[m] = W row . activation row m, for m < rows (<= kGgufDotRowsMax)
+// `prefetch`: the bytes this thread reads kGgufPrefetchAhead bytes later (nullptr: none)
 using RowsDot = void (*)(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows,
-                         float* out);
+                         float* out, const uint8_t* prefetch);
 
 // ---- the reference: codes (gguf_blocks.cpp) . activations ---------------------------------
 template <int64_t Type>
-void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows, float* out) {
+void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows, float* out,
+                   const uint8_t*) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> sc, off;
   q.resize(k);
@@ -198,7 +200,7 @@ void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t ro
 // K-quants: integer sums per super-block, two float products each
 template <int64_t Type>
 void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows,
-                     float* out) {
+                     float* out, const uint8_t*) {
   constexpr int64_t kBytes = Type == kQ4_K ? 144 : Type == kQ5_K ? 176 : 210;
   for (int64_t m = 0; m < rows; ++m) out[m] = 0.f;
   KQuantBlock blk;
@@ -238,14 +240,36 @@ RowsDot reference_rows_dot(int64_t type) {
 #if defined(__AVX2__)
 // Each kernel decodes a weight row's blocks once per group of R <= 4 activation rows (a
 // verification step or a small batch reuses the codes in registers), R accumulators.
+// Software prefetch of a weight stream, line by line, as a kernel reads its blocks: the
+// hardware prefetchers stop at 4 KB page boundaries, so a row stream read at ~10 GB/s a core
+// stalls at each new page; prefetching ~8 KB ahead keeps the misses in flight (timed on a
+// Q4_K LM head of 131 MB: 7.8 -> 11.0 GB/s on one core, 14.8 -> 21 GB/s on two).
+class StreamPrefetch {
+ public:
+  explicit StreamPrefetch(const uint8_t* start) : next_(start) {}
+  // every line below `end` not yet prefetched
+  void upto(const uint8_t* end) {
+    if (next_ == nullptr) return;
+    for (; next_ < end; next_ += 64) _mm_prefetch(reinterpret_cast<const char*>(next_), _MM_HINT_T0);
+  }
+
+ private:
+  const uint8_t* next_;
+};
+
+// Each kernel decodes a weight row's blocks once per group of R <= 4 activation rows (a
+// verification step or a small batch reuses the codes in registers), R accumulators. The
+// first group prefetches the stream ahead; the others read the same row again.
 template <class Kernel>
-void rows_dot(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows, float* out) {
+void rows_dot(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows, float* out,
+              const uint8_t* prefetch) {
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) Kernel::template run<4>(row, k, a + m, out + m);
+  for (; m + 4 <= rows; m += 4, prefetch = nullptr)
+    Kernel::template run<4>(row, k, a + m, out + m, prefetch);
   switch (rows - m) {
-    case 3: return Kernel::template run<3>(row, k, a + m, out + m);
-    case 2: return Kernel::template run<2>(row, k, a + m, out + m);
-    case 1: return Kernel::template run<1>(row, k, a + m, out + m);
+    case 3: return Kernel::template run<3>(row, k, a + m, out + m, prefetch);
+    case 2: return Kernel::template run<2>(row, k, a + m, out + m, prefetch);
+    case 1: return Kernel::template run<1>(row, k, a + m, out + m, prefetch);
     default: return;
   }
 }
@@ -296,11 +320,14 @@ inline float hsum_ps(__m256 v) {
 // Q8_0  [d][q0..q31 int8]                      w = d * q
 struct Q8_0Kernel {
   template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
+  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
+                  const uint8_t* prefetch) {
+    StreamPrefetch ahead(prefetch);
     __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     auto block = [&](int64_t b, __m256* acc) {
       const uint8_t* blk = row + 34 * b;
+      if (prefetch != nullptr) ahead.upto(prefetch + 34 * (b + 1));
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       const __m256i w_abs = _mm256_sign_epi8(w, w);
       const __m256 d = _mm256_set1_ps(fp16_at(blk));
@@ -327,7 +354,9 @@ struct Q8_0Kernel {
 template <int Bytes, bool HasMin, bool FifthBit>
 struct LegacyKernel {
   template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
+  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
+                  const uint8_t* prefetch) {
+    StreamPrefetch ahead(prefetch);
     constexpr int kCodes = (HasMin ? 4 : 2) + (FifthBit ? 4 : 0);   // offset of qs
     constexpr float kZero = FifthBit ? 16.f : 8.f;                  // the signed types' zero
     __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
@@ -335,6 +364,7 @@ struct LegacyKernel {
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     auto block = [&](int64_t b, __m256* acc) {
       const uint8_t* blk = row + Bytes * b;
+      if (prefetch != nullptr) ahead.upto(prefetch + Bytes * (b + 1));
       __m256i codes = nibbles_32(blk + kCodes);
       if constexpr (FifthBit) codes = _mm256_or_si256(codes, fifth_bits_32(blk + kCodes - 4));
       const float d = fp16_at(blk);
@@ -377,13 +407,16 @@ inline __m128i k_scales_mins(const uint8_t* p) {
 template <bool FifthBit>
 struct K4Kernel {
   template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
+  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
+                  const uint8_t* prefetch) {
+    StreamPrefetch ahead(prefetch);
     constexpr int64_t kBytes = FifthBit ? 176 : 144, kQs = FifthBit ? 48 : 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + kBytes * sb;
+      if (prefetch != nullptr) ahead.upto(prefetch + kBytes * (sb + 1));
       // int16 s0..s7 | m0..m7; the scales in both 128-bit lanes (a shuffle broadcasts one);
       // the mins as floats times dmin, for every row's sum32
       const __m128i sm8 = k_scales_mins(blk + 4);
@@ -450,12 +483,15 @@ struct K4Kernel {
 // bsum16_i.
 struct Q6KKernel {
   template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
+  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
+                  const uint8_t* prefetch) {
+    StreamPrefetch ahead(prefetch);
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + 210 * sb;
+      if (prefetch != nullptr) ahead.upto(prefetch + 210 * (sb + 1));
       // int16 scales 0..7 | 8..15, and each half in both lanes for the shuffles below
       const __m256i sc =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));

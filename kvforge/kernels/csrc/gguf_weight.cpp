@@ -40,14 +40,22 @@ class GgufWeight {
       acts = act.rows(rows);
     }
     float out[kGgufDotRowsMax];
-    team.for_shares(out_features(), kChunkRows, claims, [&](int64_t n0, int64_t n1, int64_t) {
+    team.for_shares(out_features(), kChunkRows, claims, [&](int64_t n0, int64_t n1,
+                                                            int64_t ahead_end) {
       size_t s = shards_.shard_of(n0);
       for (int64_t n = n0; n < n1; ++n) {
         while (shards_.first_row[s + 1] <= n) ++s;
         const uint8_t* row = shards_.row(s, n);
         const float b = bias != nullptr ? bias[n] : 0.f;
         if (dots_[s] != nullptr) {
-          dots_[s](row, k_, acts, rows, out);
+          // the bytes kGgufPrefetchAhead further on, while this thread will still read them
+          // (its share, within the shard: rows are contiguous there)
+          const int64_t stride = shards_.row_stride[s];
+          const int64_t later = n + (kGgufPrefetchAhead + stride - 1) / stride;
+          const uint8_t* prefetch =
+              later < std::min(ahead_end, shards_.first_row[s + 1]) ? row + kGgufPrefetchAhead
+                                                                     : nullptr;
+          dots_[s](row, k_, acts, rows, out, prefetch);
           for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = out[m] + b;
         } else {                         // a float row (F32 / F16 / BF16): fp32 dot products
           values.resize(k_);
