@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def launch_server(args, port: int) -> subprocess.Popen:
+def launch_server(args, port: int, extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``kvforge serve`` with the engine flags of ``args`` (plus ``extra_flags``), once healthy."""
     cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--port", str(port),
            "--num-threads", str(args.threads), "--log-level", "warning",
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
@@ -56,6 +57,7 @@ def launch_server(args, port: int) -> subprocess.Popen:
            "--max-waiting-requests", "100000"]
     if args.engine_model:
         cmd += ["--model", args.engine_model]
+    cmd += list(extra_flags)
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     import httpx
     deadline = time.monotonic() + 300

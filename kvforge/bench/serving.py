@@ -42,6 +42,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="SLOs, e.g. ttft:2000 tpot:200 e2el:20000 (milliseconds)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--priority", choices=["none", "output-len"], default="none",
+                   help="output-len: each request asks for priority = its max_tokens (a server "
+                        "with --scheduling-policy priority then runs shortest-job-first)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="PNG path: latency CDFs and tokens over time")
 
@@ -103,11 +106,14 @@ class RequestResult:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
-async def send_one(client, model: str, req: ServeRequest, t0: float) -> RequestResult:
+async def send_one(client, model: str, req: ServeRequest, t0: float,
+                   priority_by_length: bool = False) -> RequestResult:
     res = RequestResult(prompt_len=len(req.prompt_token_ids))
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if priority_by_length:
+        body["priority"] = req.output_len
     start = time.perf_counter()
     res.start = start - t0
     last = start
@@ -142,7 +148,8 @@ async def send_one(client, model: str, req: ServeRequest, t0: float) -> RequestR
 async def run_benchmark(base_url: str, model: str, requests: list[ServeRequest], *,
                         request_rate: float, burstiness: float = 1.0,
                         max_concurrency: int | None = None, seed: int = 0,
-                        api_key: str | None = None) -> tuple[list[RequestResult], float]:
+                        api_key: str | None = None, priority_by_length: bool = False
+                        ) -> tuple[list[RequestResult], float]:
     import httpx
     delays = arrival_delays(len(requests), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -154,9 +161,9 @@ async def run_benchmark(base_url: str, model: str, requests: list[ServeRequest],
 
         async def guarded(req):
             if limit is None:
-                return await send_one(client, model, req, t0)
+                return await send_one(client, model, req, t0, priority_by_length)
             async with limit:
-                return await send_one(client, model, req, t0)
+                return await send_one(client, model, req, t0, priority_by_length)
         tasks = []
         for req, delay in zip(requests, delays):
             await asyncio.sleep(delay)
@@ -290,7 +297,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
     requests = build_requests(args, base)
     results, duration = asyncio.run(run_benchmark(
         base, model, requests, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, seed=args.seed, api_key=args.api_key))
+        max_concurrency=args.max_concurrency, seed=args.seed, api_key=args.api_key,
+        priority_by_length=args.priority == "output-len"))
     summary = summarize(results, duration, parse_slos(args.goodput))
     print(format_summary(summary, f"Serving benchmark, rate {args.request_rate} req/s"))
     if args.result_json:

@@ -5,7 +5,9 @@ engine's Python (scheduling, metadata, sampling, detokenizing) in the caches: th
 costs ~0.65 ms a step, ~5% of the step, run cold. With k steps per call it runs once per k
 tokens (as vLLM's multi-step scheduling amortises its CPU work over GPU steps).
 
-    engine.step()   plan_decode_steps: every running request a greedy decode, nothing waiting
+    engine.step()   plan_decode_steps: every running request a greedy decode, and k capped by
+                    the scheduler's bound (Scheduler.decode_steps_allowed: nothing waits, or
+                    every slot is taken and no admission or preemption falls inside the k steps)
                     -> request.num_lookahead_tokens = k - 1 on each (else 0)
     scheduler       1 + (k - 1) KV slots per decode; under KV pressure it drops the lookahead
                     before it preempts anyone
@@ -47,13 +49,18 @@ def decode_steps_for(request: Request, max_steps: int, max_len: int) -> int:
     return max(1, steps)
 
 
-def plan_decode_steps(running: list[Request], has_waiting: bool, max_steps: int, max_len: int,
-                      model) -> int:
+def plan_decode_steps(running: list[Request], steps_allowed: int | None, max_steps: int,
+                      max_len: int, model) -> int:
     """Set every running request's lookahead for the next step; returns the steps planned
     (1 = a plain step). One k for the whole batch: the compiled call steps every row together.
-    Nothing waiting: a new request is admitted at the next step, not k steps later."""
+    ``steps_allowed`` (None = no bound) is the scheduler's: a request that could be admitted
+    now, or that the policy would let preempt a running one within k steps, is scheduled at
+    the step it would have been without multi-step decoding, not k steps later. Each row's k is
+    also capped at its ``max_tokens``, so the call ends where the first of them finishes."""
     steps = 1
-    if max_steps > 1 and running and not has_waiting:
+    if steps_allowed is not None:
+        max_steps = min(max_steps, steps_allowed)
+    if max_steps > 1 and running:
         steps = min(decode_steps_for(r, max_steps, max_len) for r in running)
         if steps > 1 and not model.can_decode_steps(len(running)):
             steps = 1

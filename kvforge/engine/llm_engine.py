@@ -214,7 +214,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.before_schedule(self.scheduler.running)
         elif self._max_decode_steps > 1:
-            plan_decode_steps(self.scheduler.running, self.scheduler.num_waiting > 0,
+            plan_decode_steps(self.scheduler.running, self.scheduler.decode_steps_allowed(),
                               self._max_decode_steps, self.max_len_per_request, self.runner.model)
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)

@@ -15,6 +15,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.config import EngineConfig
 from kvforge.engine.decode_steps import run_decode_steps
 from kvforge.engine.request import Request
+from kvforge.kernels.decode_stack import MAX_QUERY_LEN
 from kvforge.kernels.huge_pages import huge_page_zeros
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
@@ -23,6 +24,7 @@ from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.rejection import verify_proposals
 
 logger = logging.getLogger(__name__)
+_UNSET = object()
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
     _last_sampling: tuple[list[Request], SamplingBatch] | None = None
+    _stack_limit: object = _UNSET       # _stack_query_limit, resolved on first use
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
@@ -131,10 +134,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             block_tables.append(sched.block_ids[req.request_id])
-        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size,
-                                       self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, meta.positions(), self.kv_caches, meta)
+        hidden = self._forward(input_ids, query_lens, context_lens, block_tables)
 
         # Rows whose last position produces the next token: the request caught up with its
         # tokens this step. Forked children (n > 1) sample from their parent's row.
@@ -186,6 +186,57 @@ class ModelRunner:
                     continue
                 out.logprobs[req.request_id] = {t: v for t, v in zip(lp_ids[j][:k + 1], lp[j][:k + 1])}
         return out
+
+    def _forward(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
+                 block_tables: list[list[int]]) -> torch.Tensor:
+        """[T, hidden] for the step's tokens. A step that mixes sequences the compiled decode
+        stack takes (decodes, short query runs) with longer prefill chunks runs as two forwards,
+        one per path, each over its own sequences (``_path_groups``)."""
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        groups = self._path_groups(query_lens)
+        if groups is None:
+            meta = AttentionMetadata.build(query_lens, context_lens, block_tables,
+                                           self.block_size, self.device)
+            return self.model(ids, meta.positions(), self.kv_caches, meta)
+        starts = [0, *itertools.accumulate(query_lens)]
+        hidden = None
+        for seqs in groups:
+            rows = torch.tensor([t for i in seqs for t in range(starts[i], starts[i + 1])],
+                                device=self.device)
+            meta = AttentionMetadata.build([query_lens[i] for i in seqs],
+                                           [context_lens[i] for i in seqs],
+                                           [block_tables[i] for i in seqs], self.block_size,
+                                           self.device)
+            part = self.model(ids[rows], meta.positions(), self.kv_caches, meta)
+            if hidden is None:
+                hidden = part.new_empty((len(input_ids), part.shape[-1]))
+            hidden[rows] = part
+        return hidden
+
+    def _path_groups(self, query_lens: list[int]) -> list[list[int]] | None:
+        """Sequence indices per forward, or None for one forward over the whole step.
+
+        Why: which path computes a row changes its low bits (the stack's and the Python layers'
+        kernels round differently; GGUF weights quantize activations to 8 bits, which turns
+        those bits into visible differences), and greedy output must not depend on what else
+        shares the step. Split, each sequence's rows take the path its own query run selects,
+        whatever the batch: a decode stays on the stack when a prefill chunk joins the step."""
+        limit = self._stack_query_limit
+        if limit is None:
+            return None
+        short = [i for i, q in enumerate(query_lens) if q <= limit]
+        if not short or len(short) == len(query_lens):
+            return None
+        return [short, [i for i, q in enumerate(query_lens) if q > limit]]
+
+    @property
+    def _stack_query_limit(self) -> int | None:
+        """Longest query run the model's compiled decode stack takes (None: no stack)."""
+        if self._stack_limit is _UNSET:
+            stack = self.model.decode_stack() if hasattr(self.model, "decode_stack") else None
+            self._stack_limit = (MAX_QUERY_LEN if stack is not None
+                                 and self.kv_caches[0].dtype == torch.float32 else None)
+        return self._stack_limit
 
     def _sampling_batch(self, requests: list[Request], vocab_size: int) -> SamplingBatch:
         """The last step's batch again when it samples for the same requests and nothing in it

@@ -45,9 +45,12 @@ auto`` measures it). With 1.0 a 20-token prompt alone would use up a small top q
 - Victims, for a waiting request's slot and for KV exhaustion (``select_preemption_victim``):
   the running request with the lowest rank (highest level, then largest priority value, then
   latest into its level).
-- Multi-step decoding (engine/decode_steps.py) runs k > 1 steps in one call only when nothing
-  waits, so a slot is never held k steps against a waiting request; the k tokens are charged
-  as k decode steps.
+- Multi-step decoding (engine/decode_steps.py) holds a slot for k steps in one call, so with
+  requests waiting k is bounded (``decode_steps_bound``) by the decode steps left in the
+  quantum of every running request that a waiting one would preempt once it is demoted (and
+  by the nearest starvation promotion): preemptions happen at the model step they would one
+  step at a time, while the steps in between run k at a time. The k tokens are charged as k
+  decode steps and age the waiting requests by k.
 
 Only sequence slots (``max_num_seqs``) trigger ``requests_to_yield``; the token budget and KV
 blocks are shared as in FCFS (running requests are ordered by rank, so higher levels take the
@@ -269,6 +272,33 @@ class MLFQRequestQueue(RequestQueue):
             victims.append(candidates.pop(0))
         return victims
 
+    def decode_steps_bound(self, running: Sequence[Request]) -> int | None:
+        """Decode steps until a waiting request would preempt a running one (every slot taken):
+        a running request yields once its demotion puts it below the best waiting level, so the
+        bound is the quantum it has left at its level; a waiting request's starvation promotion
+        (to level 0) bounds it too. The k tokens of a multi-step call are charged as k decodes,
+        so the demotion lands on the last of them, as it would one step at a time."""
+        if not self._waiting:
+            return None
+        candidates = [r for r in running if not self._finishes_soon(r)]
+        if not candidates:
+            return None                      # every running request frees its slot soon
+        best_waiting = self._rank(self._waiting[0]).level
+        bound = None
+        for request in candidates:
+            rank = self._rank(request)
+            if best_waiting < rank.level:
+                return 1                                 # requests_to_yield preempts it now
+            if best_waiting == rank.level:               # outranks it once it is demoted
+                left = max(1, math.ceil(self.config.quantum(rank.level) - rank.work_in_level))
+                bound = left if bound is None else min(bound, left)
+        for waiting in self._waiting:
+            rank = self._rank(waiting)
+            if rank.level > 0:                    # promoted to level 0, it outranks them all
+                left = max(1, self.config.starvation_steps - rank.steps_waited)
+                bound = left if bound is None else min(bound, left)
+        return bound
+
     def _finishes_soon(self, request: Request) -> bool:
         """Its ``max_tokens`` leaves at most the first level's quantum of decodes: it frees its
         slot within that quantum anyway, sooner than a waiter's first quantum would end, and
@@ -301,9 +331,11 @@ class MLFQRequestQueue(RequestQueue):
                 rank.order = next(self._counter)          # the back of its new level
                 self.num_demotions += 1
         promoted = False
+        # waiting is counted in model steps: a multi-step decode call of k steps ages it by k
+        model_steps = 1 + max(lookaheads.values(), default=0)
         for request in self._waiting:
             rank = self._rank(request)
-            rank.steps_waited += 1
+            rank.steps_waited += model_steps
             if rank.steps_waited >= self.config.starvation_steps and rank.level > 0:
                 rank.level, rank.work_in_level, rank.steps_waited = 0, 0, 0
                 rank.order = next(self._counter)

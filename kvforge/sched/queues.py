@@ -87,6 +87,12 @@ class RequestQueue(ABC):
         higher-ranked waiting requests run (``free_seq_slots`` = unused ``max_num_seqs``)."""
         return []
 
+    def decode_steps_bound(self, running: Sequence[Request]) -> int | None:
+        """With every sequence slot taken and requests waiting: how many decode steps the
+        running requests may take before this policy would preempt one for a waiting request
+        (1 = it would now; None = it never does: FCFS and priority wait for a slot)."""
+        return None
+
     def order_running(self, running: list[Request]) -> None:
         """Reorder the running list in place (earlier = first share of the token budget)."""
 

@@ -131,6 +131,21 @@ class Scheduler:
         when an attention window keeps a request's blocks under the pool (KVCacheManager)."""
         return self.kv_manager.max_tokens_per_request(self.config.enable_chunked_prefill)
 
+    def decode_steps_allowed(self) -> int | None:
+        """The most decode steps the running batch may take in one call (multi-step decoding,
+        engine/decode_steps.py) without delaying a scheduling decision; None = no bound.
+
+        Nothing waiting: no bound. A free sequence slot: 1 (the waiting request is admitted at
+        the next step). Every slot taken: the next admission comes when a running request ends
+        (each row's k is capped at its max_tokens, so the call ends where the first one
+        finishes) or when the queue policy preempts one (``RequestQueue.decode_steps_bound``:
+        MLFQ, at the end of a running request's quantum)."""
+        if not self.waiting:
+            return None
+        if self._num_seq_slots_used() < self.config.max_num_seqs:
+            return 1
+        return self.waiting.decode_steps_bound(self.running)
+
     def _num_seq_slots_used(self) -> int:
         # running requests plus the siblings they will fork: reserved at admission so that a
         # fork never pushes the running count over max_num_seqs

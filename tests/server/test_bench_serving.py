@@ -40,3 +40,26 @@ def test_benchmark_against_real_server(server, tmp_path):
     plot_runs({"x": results}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
     server.assert_clean()
+
+
+@pytest.mark.slow
+def test_priority_by_output_length_reaches_a_priority_server(tiny_path):
+    """``--priority output-len``: each request asks for priority = its max_tokens, so a
+    one-slot priority server runs the queued requests shortest first."""
+    from tests.server.conftest import TINY_ENGINE, ServerThread
+    server = ServerThread(tiny_path, engine_kwargs={**TINY_ENGINE, "max_num_seqs": 1,
+                                                    "scheduling_policy": "priority"})
+    try:
+        reqs = random_requests(49152, 4, 8, 12, 0.0, seed=2)
+        for req, length in zip(reqs, (30, 24, 12, 3)):     # sent longest first
+            req.output_len = length
+        results, _ = asyncio.run(run_benchmark(server.url, "tiny", reqs,
+                                               request_rate=math.inf, priority_by_length=True))
+        assert all(r.ok for r in results), [r.error for r in results]
+        # whichever arrived first took the slot; the rest finish shortest first
+        by_finish = sorted(results, key=lambda r: r.start + r.e2el)
+        later = [r.output_len for r in by_finish[1:]]
+        assert later == sorted(later), [r.output_len for r in by_finish]
+        server.assert_clean()
+    finally:
+        server.stop()
