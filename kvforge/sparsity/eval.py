@@ -18,6 +18,6 @@ def sparsity_masks(model, source, args) -> SparsityMasks:
 
 def describe_realised(model, masks: SparsityMasks, args) -> str:
     realised = masks.realised()
-    parts = ", ".join(f"{k} {v:.1%}" for k, v in realised.items())
+    parts = ", ".join(f"{k} {v:.1%}" for k, v in realised.items() if ":" not in k)
     return (f"activation sparsity {args.activation_sparsity_mode} S={args.activation_sparsity}: "
             f"realised {parts}; weight reads skipped {realised_overall(model, realised):.1%}")

@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from kvforge.sparsity.thresholds import SparsityThresholds
 
+# inputs per quantization block of GGUF's formats (and int4 groups of 32): a block-quantized
+# weight can skip only whole blocks, so the masks also count blocks with every input zeroed
+GGUF_BLOCK = 32
+
 
 def llama_projections(model) -> list[dict[str, torch.nn.Module]]:
     """Per layer: the modules whose inputs sparsity thresholds ({qkv, o, gate_up, down, act});
@@ -40,6 +44,7 @@ def llama_projections(model) -> list[dict[str, torch.nn.Module]]:
 class SparsityMasks:
     """Hooks that apply ``thresholds`` to every forward of ``model`` until ``remove()`` (or the
     end of a ``with`` block). ``realised()``: the fraction zeroed per kind so far.
+    Keys ``<kind>:block32``: the fraction of 32-input blocks whose every input was zeroed.
     ``max_rows``: mask only calls of at most this many rows (tokens), as the engine's sparse
     decode does (prefill stays dense); None: every call."""
 
@@ -72,6 +77,9 @@ class SparsityMasks:
                 return None
             keep = x.abs() > t
             self._count(kind, ~keep, keep.numel())
+            if x.shape[-1] % GGUF_BLOCK == 0:      # whole 32-input blocks zeroed (GGUF's unit)
+                blocks = keep.reshape(-1, GGUF_BLOCK).any(dim=-1)
+                self._count(f"{kind}:block{GGUF_BLOCK}", ~blocks, blocks.numel())
             return (x * keep,) + tuple(args[1:])
         return hook
 
