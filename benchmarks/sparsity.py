@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--calibration-tokens", type=int, default=None,
+                   help="tokens to calibrate on when not cached (default 4096)")
     args = p.parse_args()
 
     from kvforge.engine.llm import LLM
@@ -98,7 +100,8 @@ def main() -> None:
     for s in levels:
         row = {"S": s}
         thresholds = (load_or_calibrate(model, source, s, args.mode, args.quantization,
-                                        args.allocation) if s > 0 else None)
+                                        args.allocation, tokens=args.calibration_tokens)
+                      if s > 0 else None)
         if not args.skip_ppl:
             masks = SparsityMasks(model, thresholds) if thresholds is not None else None
             r = perplexity(model, ids, max_tokens=args.ppl_tokens, progress=False)

@@ -57,10 +57,11 @@ def save_thresholds(key: str, thresholds: SparsityThresholds) -> Path:
 
 
 def load_or_calibrate(model, source, sparsity: float, mode: str, quantization: str | None,
-                      allocation: str = "greedy",
-                      recalibrate: bool = False) -> SparsityThresholds:
-    """The cached thresholds of this model, mode and S, else calibrated now and cached."""
-    from kvforge.sparsity.calibrate import calibrate, calibration_tokens
+                      allocation: str = "greedy", recalibrate: bool = False,
+                      tokens: int | None = None) -> SparsityThresholds:
+    """The cached thresholds of this model, mode and S, else calibrated now (on ``tokens``
+    tokens, default calibrate.CALIBRATION_TOKENS) and cached."""
+    from kvforge.sparsity.calibrate import CALIBRATION_TOKENS, calibrate, calibration_tokens
     if quantization in (None, "", "auto"):       # the method "auto" picks for this file
         from kvforge.quant.loading import auto_quantization
         quantization = auto_quantization(source)
@@ -71,7 +72,7 @@ def load_or_calibrate(model, source, sparsity: float, mode: str, quantization: s
             return cached
     logger.info("calibrating %s (%s) activation sparsity %.2f for %s", mode, allocation,
                 sparsity, key)
-    ids = calibration_tokens(source.load_tokenizer())
+    ids = calibration_tokens(source.load_tokenizer())[:tokens or CALIBRATION_TOKENS]
     thresholds = calibrate(model, ids, sparsity, mode, allocation,
                            info={"model": key, "corpus": "shakespeare"})
     path = save_thresholds(key, thresholds)
