@@ -67,6 +67,16 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
                                        thresholds.threshold("gate", i), gate_up_scales=gu[1],
                                        down_scales=down[1])
                 covered += 2
+                # int8 q|k|v and o are Python modules to the stack, which would run the whole
+                # step op by op (dense MLP too): give them the sparse kernel at threshold 0
+                # (every nonzero input kept: a dense product) so the step runs as one team
+                for slot, kind in enumerate(("qkv", "o")):
+                    rows = _weight_rows(mods[kind])
+                    if rows is not None and rows[1] is not None:
+                        bias = mods[kind].bias
+                        entry[slot] = ops.SparseProjection(
+                            _transposed(rows[0]), 0.0, scales=rows[1],
+                            bias=None if bias is None else bias.detach().float().contiguous())
         layers.append(entry)
     return layers, covered
 
