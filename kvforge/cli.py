@@ -76,6 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                    help="where tensor-parallel workers and data-parallel replicas run: local "
                         "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")
+    from kvforge.sparsity.commands import add_sparsity_args
+    add_sparsity_args(g)
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -106,7 +108,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_draft_layers=args.speculative_draft_layers,
                 num_decode_steps=args.num_decode_steps,
                 tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend,
+                activation_sparsity=args.activation_sparsity,
+                activation_sparsity_mode=args.activation_sparsity_mode,
+                activation_sparsity_allocation=args.activation_sparsity_allocation)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     add_quant_commands(sub, add_engine_args)
     from kvforge.loader.catalog_commands import add_catalog_commands
     add_catalog_commands(sub)
+    from kvforge.sparsity.commands import add_calibrate_command
+    add_calibrate_command(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

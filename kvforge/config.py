@@ -83,6 +83,12 @@ class EngineConfig:
     # each; workers are local processes (mp) or Ray actors (ray; RAY_ADDRESS for a cluster)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # activation sparsity (kvforge/sparsity): decode steps skip the weights of the inputs under
+    # per-layer thresholds calibrated for this model-wide target (0 = off); teal: every
+    # projection's input, cats: the MLP by |silu(gate)|
+    activation_sparsity: float = 0.0
+    activation_sparsity_mode: str = "teal"
+    activation_sparsity_allocation: str = "greedy"   # teal: greedy per kind | uniform
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -134,6 +140,13 @@ class EngineConfig:
 
         from kvforge.distributed.config import validate_parallel_args
         validate_parallel_args(self)
+        from kvforge.sparsity.config import validate_sparsity
+        validate_sparsity(self.activation_sparsity, self.activation_sparsity_mode,
+                          self.activation_sparsity_allocation)
+        if self.activation_sparsity > 0 and self.tensor_parallel_size > 1:
+            raise ValueError(f"activation_sparsity {self.activation_sparsity} runs in the "
+                             f"single-process decode stack; tensor_parallel_size must be 1, "
+                             f"got {self.tensor_parallel_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

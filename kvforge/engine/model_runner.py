@@ -69,6 +69,9 @@ class ModelRunner:
         # packing its weights is not the first request's wait
         if hasattr(self.model, "decode_stack"):
             self.model.decode_stack()
+        if config.activation_sparsity > 0:          # sparse decode projections (kvforge/sparsity)
+            from kvforge.sparsity.engine import enable_activation_sparsity
+            enable_activation_sparsity(self.model, source, config)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)

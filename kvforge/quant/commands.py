@@ -58,9 +58,16 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from kvforge.eval.perplexity import perplexity
     source, model = _load(args)
     ids = source.load_tokenizer().encode(load_corpus(args.corpus), add_special_tokens=False)
+    masks = None
+    if args.activation_sparsity > 0:       # every token masked as sparse decode masks it
+        from kvforge.sparsity.eval import sparsity_masks
+        masks = sparsity_masks(model, source, args)
     r = perplexity(model, ids, max_tokens=args.max_tokens, window=args.window)
     print(f"perplexity {r.perplexity:.4f} (mean NLL {r.mean_nll:.4f}) over {r.num_scored} tokens "
           f"in {r.num_windows} windows; corpus {args.corpus}, quantization {args.quantization}")
+    if masks is not None:
+        from kvforge.sparsity.eval import describe_realised
+        print(describe_realised(model, masks, args))
     return 0
 
 
@@ -85,4 +92,6 @@ def add_quant_commands(sub, add_engine_args=None) -> None:
     p.add_argument("--corpus", default="shakespeare", help="shakespeare, sharegpt or a text file")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
+    from kvforge.sparsity.commands import add_sparsity_args
+    add_sparsity_args(p)
     p.set_defaults(func=cmd_perplexity)

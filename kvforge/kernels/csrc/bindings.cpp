@@ -12,6 +12,7 @@
 #include "gguf_weight.cpp"
 #include "linear.cpp"
 #include "quest.cpp"
+#include "sparse_gemv.cpp"
 #include "decode_stack.cpp"   // last: its projections run the kernels above
 
 // Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.
@@ -49,5 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows (all, or ids) of a raw GGUF tensor dequantized to fp32", release_gil());
   m.attr("gguf_dot_rows_max") = kvforge::kGgufDotRowsMax;   // integer dots up to here
   kvforge::bind_gguf_weight(m);
+  kvforge::bind_sparse_gemv(m);
   kvforge::bind_decode_stack(m);
 }

@@ -137,6 +137,13 @@ struct LayerWeights {
   Projection qkv, o, gate_up, down;
 };
 
+// A layer's activation-sparse twins (sparse_gemv.cpp), used for steps of <= sparse_rows_max_
+// rows: TEAL gives any of the four projections one, CATS the MLP as a whole; nullptr: dense.
+struct SparseLayer {
+  const SparseProjection *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
+  const CatsMlp* cats = nullptr;
+};
+
 }  // namespace
 
 class DecodeStack {
@@ -209,6 +216,40 @@ class DecodeStack {
 
   // Whether generate() can run n rows: every projection is one of our fp32 kernels.
   bool can_generate(int64_t n) const { return team_runs_all(n); }
+
+  // Activation sparsity for steps of up to rows_max rows (kvforge/sparsity/): per layer
+  // [qkv, o, gate_up, down, cats], each a SparseProjection / CatsMlp or None; an empty list
+  // (or rows_max 0) turns it off. The objects are kept alive here.
+  void set_sparsity(pybind11::list layers, int64_t rows_max) {
+    TORCH_CHECK(rows_max >= 0 && rows_max <= kSparseRowsMax, "sparse rows_max must be in [0, ",
+                kSparseRowsMax, "], got ", rows_max);
+    std::vector<SparseLayer> parsed;
+    if (layers.size() > 0) {
+      TORCH_CHECK(layers.size() == layers_.size(), "one sparsity entry per layer");
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        auto t = layers[l].cast<pybind11::list>();
+        TORCH_CHECK(t.size() == 5, "each layer: qkv, o, gate_up, down, cats");
+        auto proj = [&](int i, const Projection& dense) -> const SparseProjection* {
+          if (t[i].is_none()) return nullptr;
+          const auto* p = t[i].cast<const SparseProjection*>();
+          TORCH_CHECK(dense.is_module() || (p->in_features() == dense.in_features() &&
+                                            p->out_features() == dense.out_features()),
+                      "sparse projection shape differs from layer ", l, "'s weight");
+          return p;
+        };
+        const LayerWeights& w = layers_[l];
+        SparseLayer s{proj(0, w.qkv), proj(1, w.o), proj(2, w.gate_up), proj(3, w.down)};
+        if (!t[4].is_none()) {
+          s.cats = t[4].cast<const CatsMlp*>();
+          TORCH_CHECK(s.cats->hidden() == hidden_, "CATS MLP width differs from layer ", l, "'s");
+        }
+        parsed.push_back(s);
+      }
+    }
+    sparse_ = std::move(parsed);
+    sparse_keep_ = layers;
+    sparse_rows_max_ = sparse_.empty() ? 0 : rows_max;
+  }
 
   // `steps` greedy decode steps of n sequences in one call (multi-step decoding: the engine's
   // Python runs once per call, not once per token). Sequence t starts with token ids[t] at
@@ -360,10 +401,32 @@ class DecodeStack {
   };
 
   bool team_runs_all(int64_t n) const {
-    return std::all_of(layers_.begin(), layers_.end(), [&](const auto& w) {
-      return w.qkv.team_runnable(n) && w.o.team_runnable(n) && w.gate_up.team_runnable(n) &&
-             w.down.team_runnable(n);
-    });
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerWeights& w = layers_[l];
+      const SparseLayer* s = sparse_layer(n, l);
+      const bool cats = s != nullptr && s->cats != nullptr;
+      if (!(runnable(w.qkv, s ? s->qkv : nullptr, n) && runnable(w.o, s ? s->o : nullptr, n) &&
+            (cats || (runnable(w.gate_up, s ? s->gate_up : nullptr, n) &&
+                      runnable(w.down, s ? s->down : nullptr, n)))))
+        return false;
+    }
+    return true;
+  }
+  static bool runnable(const Projection& p, const SparseProjection* sparse, int64_t n) {
+    return sparse != nullptr || p.team_runnable(n);
+  }
+  // layer l's sparse twins when a step of n rows uses them, else nullptr
+  const SparseLayer* sparse_layer(int64_t n, size_t l) const {
+    return n <= sparse_rows_max_ ? &sparse_[l] : nullptr;
+  }
+  // one projection of a team step: the sparse twin when there is one
+  static void run_projection(const Projection& p, const SparseProjection* sparse, const float* x,
+                             int64_t xs, float* y, int64_t n, const Team& team,
+                             ShareClaim* claims) {
+    if (sparse != nullptr)
+      sparse->run(x, xs, y, n, team, claims);
+    else
+      p.run(x, xs, y, n, team, claims);
   }
 
   struct CacheGeometry {
@@ -408,12 +471,18 @@ class DecodeStack {
     PrivateBuffers(int64_t n, int64_t hidden, int64_t inter)
         : residual(n * hidden), h(n * hidden), act(n * inter) {}
   };
-  // per layer: claims of qkv, attention tasks, merges, o, gate_up, down (a thread each)
-  static constexpr int kWorks = 6;
+  // per layer: claims of qkv, attention tasks, merges, o, gate_up, down, CATS' up (a thread
+  // each)
+  static constexpr int kWorks = 7;
 
   int64_t widest_mlp() const {            // Llama's MLPs are all alike; take the widest
     int64_t inter = 0;
-    for (const auto& w : layers_) inter = std::max(inter, w.down.in_features());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (!layers_[l].down.is_module()) inter = std::max(inter, layers_[l].down.in_features());
+      if (sparse_.empty()) continue;          // a module's width: from its sparse twin
+      if (sparse_[l].down) inter = std::max(inter, sparse_[l].down->in_features());
+      if (sparse_[l].cats) inter = std::max(inter, sparse_[l].cats->inter());
+    }
     return inter;
   }
 
@@ -454,6 +523,7 @@ class DecodeStack {
                   k1 = Team::split(kv_heads_, team.rank() + 1, threads);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& w = layers_[l];
+      const SparseLayer* sp = sparse_layer(n, l);
       ShareClaim* claim = claims + l * kWorks * threads;    // work i: claim + i * threads
       if (l == 0) {
         std::copy(embedded, embedded + n * hidden_, residual);
@@ -463,7 +533,7 @@ class DecodeStack {
         add_rms_norm_rows(x_p, hidden_, residual, hidden_, w.ln1.data_ptr<float>(), h, residual,
                           n, hidden_, eps_);
       }
-      w.qkv.run(h, hidden_, qkv_p, n, team, claim);
+      run_projection(w.qkv, sp ? sp->qkv : nullptr, h, hidden_, qkv_p, n, team, claim);
       team.barrier();
       float* cache = st.kv_caches[l].data_ptr<float>();
       const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
@@ -496,15 +566,23 @@ class DecodeStack {
         });
       }
       team.barrier();
-      w.o.run(attn_p, q_width, o_p, n, team, claim + 3 * threads);
+      run_projection(w.o, sp ? sp->o : nullptr, attn_p, q_width, o_p, n, team,
+                     claim + 3 * threads);
       team.barrier();
       add_rms_norm_rows(o_p, hidden_, residual, hidden_, w.ln2.data_ptr<float>(), h, residual, n,
                         hidden_, eps_);
-      w.gate_up.run(h, hidden_, gu_p, n, team, claim + 4 * threads);
+      if (sp != nullptr && sp->cats != nullptr) {     // claims 4, 5, 6: gate, up, down
+        sp->cats->run(h, hidden_, gu_p, x_p, n, team, claim + 4 * threads);
+        team.barrier();
+        continue;
+      }
+      run_projection(w.gate_up, sp ? sp->gate_up : nullptr, h, hidden_, gu_p, n, team,
+                     claim + 4 * threads);
       team.barrier();
-      const int64_t width = w.down.in_features();
+      const int64_t width = sp && sp->down ? sp->down->in_features() : w.down.in_features();
       silu_and_mul_rows(gu_p, 2 * width, act, n, width);
-      w.down.run(act, width, x_p, n, team, claim + 5 * threads);
+      run_projection(w.down, sp ? sp->down : nullptr, act, width, x_p, n, team,
+                     claim + 5 * threads);
       team.barrier();
     }
   }
@@ -596,6 +674,9 @@ class DecodeStack {
   }
 
   std::vector<LayerWeights> layers_;
+  std::vector<SparseLayer> sparse_;        // empty: dense
+  pybind11::list sparse_keep_;             // owns the objects sparse_ points to
+  int64_t sparse_rows_max_ = 0;
   at::Tensor final_norm_;
   float eps_;
   int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
@@ -610,6 +691,7 @@ void bind_decode_stack(pybind11::module& m) {
       // keep going; quantized projections re-acquire it for their module call
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("can_generate", &DecodeStack::can_generate)
+      .def("set_sparsity", &DecodeStack::set_sparsity)
       .def("generate", &DecodeStack::generate);   // releases the GIL itself
 }
 

@@ -1,0 +1,105 @@
+"""The compiled decode stack's sparse projections (``kernels/csrc/sparse_gemv.cpp``).
+
+For each layer, a projection whose weights our sparse kernels read gets a transposed
+(input-major) copy, so a skipped input channel skips one contiguous row: fp32 weights (plain or
+packed) and int8 ones (codes + per-output scales, ``quant/int8.py``). GGUF blocks and other
+formats stay dense (docs/activation_sparsity.md: skipping needs whole 32-input blocks, which
+magnitude thresholds almost never empty). The stack uses the copies for steps of up to
+``sparse_rows_max`` rows (decode, multi-step decoding); prefill and larger batches stay dense,
+on the original weights. The copies cost one more weight's worth of memory per covered
+projection.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.thresholds import SparsityThresholds
+
+logger = logging.getLogger(__name__)
+
+
+def _weight_rows(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [out, in] fp32 or int8, fp32 per-output scales or None), or None for a format
+    the sparse kernels do not read."""
+    from kvforge.layers.linear import (PackedLinearMethod, UnquantizedLinearMethod,
+                                       dense_weight)
+    from kvforge.quant.int8 import Int8LinearMethod
+    method = linear.method
+    if type(method) in (UnquantizedLinearMethod, PackedLinearMethod):
+        w = dense_weight(linear)
+        return (w, None) if w.dtype == torch.float32 and w.device.type == "cpu" else None
+    if type(method) is Int8LinearMethod:
+        return linear.qweight.detach(), linear.scales.detach().float()
+    return None
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    from kvforge.kernels.huge_pages import huge_page_zeros
+    (out,) = huge_page_zeros([tuple(weight.shape[::-1])], weight.dtype, "cpu")
+    out.copy_(weight.t())
+    return out
+
+
+def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list], int]:
+    """Per layer [qkv, o, gate_up, down, cats] for ``DecodeStack.set_sparsity`` (None where a
+    projection stays dense) and how many projections got a sparse copy."""
+    layers, covered = [], 0
+    for i, mods in enumerate(llama_projections(model)):
+        entry = [None] * 5
+        if thresholds.mode == "teal":
+            for slot, kind in enumerate(("qkv", "o", "gate_up", "down")):
+                rows = _weight_rows(mods[kind])
+                if rows is None:
+                    continue
+                bias = mods[kind].bias
+                entry[slot] = ops.SparseProjection(
+                    _transposed(rows[0]), thresholds.threshold(kind, i), scales=rows[1],
+                    bias=None if bias is None else bias.detach().float().contiguous())
+                covered += 1
+        else:
+            gu, down = _weight_rows(mods["gate_up"]), _weight_rows(mods["down"])
+            if gu is not None and down is not None and mods["down"].bias is None \
+                    and mods["gate_up"].bias is None:
+                entry[4] = ops.CatsMlp(gu[0].contiguous(), _transposed(down[0]),
+                                       thresholds.threshold("gate", i), gate_up_scales=gu[1],
+                                       down_scales=down[1])
+                covered += 2
+                # int8 q|k|v and o are Python modules to the stack, which would run the whole
+                # step op by op (dense MLP too): give them the sparse kernel at threshold 0
+                # (every nonzero input kept: a dense product) so the step runs as one team
+                for slot, kind in enumerate(("qkv", "o")):
+                    rows = _weight_rows(mods[kind])
+                    if rows is not None and rows[1] is not None:
+                        bias = mods[kind].bias
+                        entry[slot] = ops.SparseProjection(
+                            _transposed(rows[0]), 0.0, scales=rows[1],
+                            bias=None if bias is None else bias.detach().float().contiguous())
+        layers.append(entry)
+    return layers, covered
+
+
+def enable_sparse_decode(model, thresholds: SparsityThresholds) -> int:
+    """Give ``model``'s compiled decode stack its sparse projections; returns how many
+    projections run sparse (0: no stack, or no projection our sparse kernels read)."""
+    from kvforge.kernels import cpu_kernels
+    ops = cpu_kernels()
+    stack = model.decode_stack() if hasattr(model, "decode_stack") else None
+    if ops is None or stack is None:
+        logger.warning("activation sparsity needs the compiled decode stack; decoding dense")
+        return 0
+    layers, covered = sparse_layers(model, thresholds, ops)
+    if covered == 0:
+        logger.warning("no projection of this model has weights the sparse kernels read "
+                       "(fp32, int8); decoding dense")
+        return 0
+    stack.set_sparsity(layers, ops.sparse_rows_max)
+    return covered
+
+
+def disable_sparse_decode(model) -> None:
+    stack = model.decode_stack() if hasattr(model, "decode_stack") else None
+    if stack is not None:
+        stack.set_sparsity([], 0)

@@ -1,0 +1,20 @@
+"""Activation sparsity for an engine's model: cached (or freshly calibrated) thresholds, then
+the decode stack's sparse projections."""
+from __future__ import annotations
+
+import logging
+
+from kvforge.sparsity.cache import load_or_calibrate
+from kvforge.sparsity.decode import enable_sparse_decode
+
+logger = logging.getLogger(__name__)
+
+
+def enable_activation_sparsity(model, source, config) -> int:
+    thresholds = load_or_calibrate(model, source, config.activation_sparsity,
+                                   config.activation_sparsity_mode, config.quantization,
+                                   config.activation_sparsity_allocation)
+    covered = enable_sparse_decode(model, thresholds)
+    logger.info("activation sparsity %s S=%.2f: %d projections sparse in decode steps",
+                config.activation_sparsity_mode, config.activation_sparsity, covered)
+    return covered
