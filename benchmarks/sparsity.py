@@ -19,12 +19,15 @@ Ends with one ``SUMMARY sparsity:`` line with the hardware.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from benchmarks.hardware import hardware_line
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.hardware import hardware_line  # noqa: E402
 
 
 def decode_tok_s(llm, tokens: int) -> float:
