@@ -76,6 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                    help="where tensor-parallel workers and data-parallel replicas run: local "
                         "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")
+    from kvforge.offload.commands import add_offload_engine_args
+    add_offload_engine_args(g)
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -106,7 +108,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_draft_layers=args.speculative_draft_layers,
                 num_decode_steps=args.num_decode_steps,
                 tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend,
+                offload_memory_budget=args.offload_memory_budget, offload_dir=args.offload_dir,
+                offload_policy=args.offload_policy, offload_batch_size=args.offload_batch_size,
+                offload_block_batches=args.offload_block_batches,
+                offload_trace=args.offload_trace)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     add_quant_commands(sub, add_engine_args)
     from kvforge.loader.catalog_commands import add_catalog_commands
     add_catalog_commands(sub)
+    from kvforge.offload.commands import add_offload_commands
+    add_offload_commands(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

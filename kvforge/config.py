@@ -83,6 +83,16 @@ class EngineConfig:
     # each; workers are local processes (mp) or Ray actors (ray; RAY_ADDRESS for a cluster)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # offloading (kvforge/offload, FlexGen): a fast-tier (RAM) budget for weights, KV and
+    # activations turns it on; layers stream from offload_dir (None = ~/.cache/kvforge/offload).
+    # policy: lp | naive | w=PCT (resident share); batch_size sequences per batch,
+    # block_batches per block (None: the policy chooses); offload_trace: Chrome trace JSON
+    offload_memory_budget: int | str | None = None
+    offload_dir: str | None = None
+    offload_policy: str = "lp"
+    offload_batch_size: int = 8
+    offload_block_batches: int | None = None
+    offload_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -134,6 +144,8 @@ class EngineConfig:
 
         from kvforge.distributed.config import validate_parallel_args
         validate_parallel_args(self)
+        from kvforge.offload.config import validate_offload_args
+        validate_offload_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
