@@ -182,9 +182,13 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--naive-prompts", type=int, default=16)
     p.add_argument("--accelerate-prompts", type=int, default=8)
+    p.add_argument("--accelerate-output-tokens", type=int, default=4,
+                   help="Accelerate's disk offload makes ~0.2 tok/s here: fewer tokens")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every system (1: a 2-thread team on a shared 2-core "
+                        "machine waits on whichever core is busy elsewhere)")
     p.add_argument("--offload-dir", default=os.path.expanduser("~/.cache/kvforge/offload"))
     p.add_argument("--skip-accelerate", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -217,7 +221,8 @@ def main() -> int:
         if not args.skip_accelerate:
             hf_dir = hf_dir_of(model_path, args.offload_dir)
             results["accelerate"] = run_child(dict(base, kind="accelerate", hf_dir=hf_dir,
-                                                   prompts=args.accelerate_prompts))
+                                                   prompts=args.accelerate_prompts,
+                                                   output_tokens=args.accelerate_output_tokens))
         if not args.skip_memory:
             results["memory"] = run_child(dict(base, kind="kvforge", policy="memory",
                                                prompts=args.prompts))

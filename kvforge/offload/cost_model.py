@@ -33,6 +33,9 @@ class ModelFacts:
     vocab_size: int
     kv_bytes_per_token_layer: int
     fixed_bytes: int            # always resident: norms, the rotary table
+    # seconds of one decoder layer on one batch of decodes, timed on this model at start-up
+    # (None: estimated from the calibrated linear rate, which misses attention and small ops)
+    layer_batch_s: float | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,6 +94,8 @@ def layer_compute_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: i
                     block_batches: int) -> float:
     """One layer over every batch of the block, one decode token per sequence: the weights'
     GEMM at ``batch_size`` rows per batch plus attention reading each sequence's KV."""
+    if m.layer_batch_s is not None:
+        return block_batches * m.layer_batch_s
     per_batch = (hw.linear_seconds(m.layer_params, batch_size) + hw.per_layer_call_s
                  + batch_size * w.seq_len * m.kv_bytes_per_token_layer / hw.memory_bytes_per_s)
     return block_batches * per_batch

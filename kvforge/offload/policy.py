@@ -22,7 +22,10 @@ from kvforge.offload.cost_model import (CATEGORIES, KV_STAGING_SLOTS, ModelFacts
                                         activation_bytes, category_layer_s, decode_step_s,
                                         fast_tier_bytes, kv_layer_bytes, kv_staging_slot_bytes)
 
-MAX_BLOCK_BATCHES = 64
+MAX_BLOCK_BATCHES = 32
+# a bigger block must predict at least this much more throughput to be chosen: past the point
+# where compute hides the loads, more batches only add memory and latency
+BLOCK_GAIN_MIN = 1.02
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ def choose_placement(spec: PolicySpec, m: ModelFacts, hw: HardwareCosts, w: Work
             if counts is None:
                 continue
             p = _placement(spec.kind, m, hw, w, budget, batch_size, nb, counts, 2, True)
-            if best is None or p.predicted_tokens_per_s > best.predicted_tokens_per_s * 1.0001:
+            if best is None or p.predicted_tokens_per_s > best.predicted_tokens_per_s * (
+                    BLOCK_GAIN_MIN if p.block_batches > best.block_batches else 1.0001):
                 best = p
     if best is None:
         raise _too_small(m, w, budget, batch_size, block_batches or 1)

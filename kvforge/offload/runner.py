@@ -5,6 +5,7 @@ block_batches sequences) becomes the scheduler's ``max_num_seqs``: one engine st
 block, so continuous batching refills it as sequences finish."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -16,7 +17,9 @@ from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
+from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import DiskKVLayer
+from kvforge.offload.layer_timing import time_layer_batch
 from kvforge.offload.policy import choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
 from kvforge.offload.streamed_model import OffloadedLM
@@ -59,6 +62,12 @@ class OffloadModelRunner(ModelRunner):
         kv_dir = os.path.join(config.offload_dir_path, f"kv-{os.getpid()}")
         os.makedirs(kv_dir, exist_ok=True)
         block_shape = tuple(self.kv_caches[0].shape[2:])
+        # RAM-KV layers in ordinary pages, faulted in as tokens arrive: the huge-page pool
+        # faults 2 MiB per layer for the first token, which a tight budget cannot spare; the
+        # disk-KV layers' RAM pools are never touched (zeros of this size are lazily mapped)
+        self._kv_buffers = [AlignedBuffer(c.numel() * c.element_size()) for c in self.kv_caches]
+        self.kv_caches = [b.tensor[:c.numel() * c.element_size()].view(c.dtype).view(c.shape)
+                          for b, c in zip(self._kv_buffers, self.kv_caches)]
         self.model.attach_kv_disk({
             j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), self.num_blocks,
                            block_shape, self.kv_caches[0].dtype)
@@ -82,10 +91,15 @@ class OffloadModelRunner(ModelRunner):
                     hw.disk_read_bytes_per_s / 1e6,
                     "O_DIRECT" if store.direct else "buffered + posix_fadvise(DONTNEED)",
                     "measured now" if measured else "cached calibration")
-        facts = model_facts(skeleton, store)
         workload = Workload(seq_len=min(self._max_model_len, PLANNED_SEQ_LEN_MAX),
                             step_tokens=config.max_num_batched_tokens,
                             block_size=config.block_size)
+        facts = dataclasses.replace(
+            model_facts(skeleton, store),
+            layer_batch_s=time_layer_batch(skeleton, store, config.offload_batch_size,
+                                           workload.seq_len, config.block_size))
+        logger.info("offload: one layer on a batch of %d decodes: %.2f ms",
+                    config.offload_batch_size, facts.layer_batch_s * 1e3)
         placement = choose_placement(parse_policy(config.offload_policy), facts, hw, workload,
                                      config.offload_memory_budget_bytes,
                                      config.offload_batch_size, config.offload_block_batches)
