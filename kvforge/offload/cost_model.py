@@ -55,13 +55,14 @@ class Workload:
 
 def activation_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: int) -> int:
     """Fast-tier bytes of activations: every batch's hidden + residual for the step's tokens,
-    one batch's MLP intermediates (batches run one at a time) and the block's logits."""
+    one batch's MLP intermediates (batches run one at a time) and the block's logits (twice:
+    the sampler's working copy)."""
     seqs = batch_size * block_batches
     step_tokens = min(w.step_tokens, seqs * w.seq_len)
     batch_tokens = min(step_tokens, batch_size * w.seq_len)
     return 4 * (step_tokens * 2 * m.hidden_size
                 + batch_tokens * (3 * m.intermediate_size + 4 * m.hidden_size)
-                + seqs * m.vocab_size)
+                + 2 * seqs * m.vocab_size)
 
 
 def kv_layer_bytes(m: ModelFacts, w: Workload, seqs: int) -> int:
