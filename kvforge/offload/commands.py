@@ -59,7 +59,7 @@ def _print_policy(args, hw) -> None:
     from kvforge.offload.store_builder import ensure_store
     from kvforge.offload.weight_store import WeightStore, store_key
     import os
-    source = load_model_source(args.model)
+    source = load_model_source(args.model or None)
     directory = os.path.join(os.path.expanduser(args.offload_dir or DEFAULT_OFFLOAD_DIR),
                              f"store-{store_key(source.path, 'none', 'float32')}")
     ensure_store(source.path, directory, "float32")
