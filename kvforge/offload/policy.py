@@ -181,6 +181,11 @@ def choose_placement(spec: PolicySpec, m: ModelFacts, hw: HardwareCosts, w: Work
                     BLOCK_GAIN_MIN if p.block_batches > best.block_batches else 1.0001):
                 best = p
     if best is None:
+        if spec.kind == "explicit":
+            raise ValueError(f"offload_policy {spec.weights_percent}% weights / "
+                             f"{spec.kv_percent}% KV in RAM does not fit "
+                             f"offload_memory_budget {budget / 2**20:.1f} MiB with "
+                             f"{block_batches or 1} batch(es) of {batch_size} sequences")
         raise _too_small(m, w, budget, batch_size, block_batches or 1)
     return best
 

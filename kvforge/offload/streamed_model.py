@@ -11,6 +11,8 @@ by the store thread behind. The LM head streams in chunks of at most a layer's s
 serving every row of the block."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from dataclasses import dataclass
 
@@ -38,6 +40,20 @@ class _Batch:
     plan: BlockReadPlan | None = None     # disk-KV layers: staged blocks
     local_meta: AttentionMetadata | None = None
     written: list[int] | None = None      # local ids of blocks receiving new tokens
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None off glibc. A step frees megabytes of activations that
+    glibc keeps in its heap (its mmap threshold rises with every large free), which would hold
+    the process's RSS above the budget the policy planned; trimming returns them."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
 
 
 class OffloadedLM(PagedKVModelMixin, nn.Module):
@@ -218,4 +234,6 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         if self._step_seqs and self._step_start is not None:
             self.decode_steps.append((self._step_seqs, self.trace.now() - self._step_start))
             self._step_start = None
+        if _TRIM is not None:
+            _TRIM(0)
         return logits
