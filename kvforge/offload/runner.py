@@ -5,6 +5,7 @@ block_batches sequences) becomes the scheduler's ``max_num_seqs``: one engine st
 block, so continuous batching refills it as sequences finish."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -73,6 +74,10 @@ class OffloadModelRunner(ModelRunner):
                            block_shape, self.kv_caches[0].dtype)
             for j in self.placement.kv_disk_layers})
         self._kv_dir = kv_dir
+        # at shutdown, or at exit for callers that never shut the engine down (kvforge generate)
+        self._trace_written = False
+        if config.offload_trace:
+            atexit.register(self._write_trace)
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         config = self.config
@@ -129,10 +134,13 @@ class OffloadModelRunner(ModelRunner):
     def supports_decode_steps(self) -> bool:
         return False        # the compiled multi-step decode holds every weight resident
 
+    def _write_trace(self) -> None:
+        if self.config.offload_trace and not self._trace_written:
+            self.model.trace.write(self.config.offload_trace)
+            self._trace_written = True
+
     def shutdown(self) -> None:
-        trace_path = self.config.offload_trace
-        if trace_path:
-            self.model.trace.write(trace_path)
+        self._write_trace()
         self.model.close()
         try:
             os.rmdir(self._kv_dir)
