@@ -82,16 +82,17 @@ def test_block_model_matches_dequantized_reference(tmp_path, qtype, tied):
     assert isinstance(layer.method, GGUFLinearMethod) and not hasattr(layer, "weight")
     assert [b.type_name for b in layer.gguf_blocks] == [qtype.name] * 3
     assert isinstance(native.model.embed_tokens, GGUFEmbedding)
-    # prefill rows (past the integer dots' rows: dequantized fp32 tiles) agree with the fp32
-    # model to rounding
+    # 8-bit activations (the random model's std-1 weights amplify their rounding layer after
+    # layer): near as a whole, for prefill (passes of the integer dots) and few rows, and
+    # greedy equal or a near tie
+    # K-quants' activations take one step per 256 values: a whole row of this 256-wide model
+    tolerance = 0.08 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 0.05
     long_prompt = [(7 * i) % 37 + 3 for i in range(70)]
     a, b = _logits(native, long_prompt), _logits(reference, long_prompt)
-    assert (a - b).abs().max() <= 1e-3 * b.abs().max()
-    # few rows (8-bit activations; the random model's std-1 weights amplify their rounding
-    # layer after layer): near as a whole, and greedy equal or a near tie
+    assert (a - b).norm() <= tolerance * b.norm()
     short = long_prompt[:5]
     a, b = _logits(native, short), _logits(reference, short)
-    assert (a - b).norm() <= 0.05 * b.norm()
+    assert (a - b).norm() <= tolerance * b.norm()
     _assert_greedy_near(native, reference, short)
 
 
@@ -110,9 +111,9 @@ def test_qwen2_biases_and_llama_permuted_rows(tmp_path):
         if bias:
             torch.testing.assert_close(qkv.bias,
                                        reference.model.layers[1].self_attn.qkv_proj.bias)
-        prompt = [3 + i % 30 for i in range(70)]         # past the dots' rows: fp32 tiles
+        prompt = [3 + i % 30 for i in range(70)]         # more rows than one pass of the dots
         a, b = _logits(native, prompt), _logits(reference, prompt)
-        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+        assert (a - b).norm() <= 0.05 * b.norm()
 
 
 @needs_kernels

@@ -199,6 +199,40 @@ inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* sc, float* off) {
   }
 }
 
+// A K-quant super-block in integers: the form of the per-256 dot arithmetic (gguf_dot.cpp),
+// which the portable dot kernel reads.
+//   q      int8 [256]  codes (Q6_K: code - 32)
+//   scale  [16]        integer scale of each 16 weights; min [16] its integer min (Q6_K: 0)
+//   w[i] = d * scale[i / 16] * q[i] - dmin * min[i / 16]
+struct KQuantBlock {
+  int8_t q[256];
+  int scale[16], min[16];
+  float d = 0.f, dmin = 0.f;
+};
+inline void unpack_k_block(int64_t type, const uint8_t* b, KQuantBlock& out) {
+  float sc[16], off[8];
+  if (type == kQ6_K) {
+    unpack_q6_k(b, out.q, sc, off);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    for (int i = 0; i < 16; ++i) {
+      out.scale[i] = scales[i];
+      out.min[i] = 0;
+    }
+    out.d = fp16_at(b + 208);
+    return;
+  }
+  TORCH_CHECK(type == kQ4_K || type == kQ5_K, "GGML type id ", type, " is not a K-quant");
+  if (type == kQ4_K) unpack_q4_k(b, out.q, sc, off); else unpack_q5_k(b, out.q, sc, off);
+  for (int sub = 0; sub < 8; ++sub) {
+    int scale, min;
+    k_scale_min(b + 4, sub, &scale, &min);
+    out.scale[2 * sub] = out.scale[2 * sub + 1] = scale;
+    out.min[2 * sub] = out.min[2 * sub + 1] = min;
+  }
+  out.d = fp16_at(b);
+  out.dmin = fp16_at(b + 2);
+}
+
 template <void (*Unpack)(const uint8_t*, int8_t*, float*, float*), int64_t W, int64_t Bytes>
 void unpack_blocks(const uint8_t* row, int64_t k, int8_t* q, float* sc, float* off) {
   for (int64_t i = 0; i < k / W; ++i)
@@ -258,6 +292,10 @@ struct Shards {
   std::vector<int64_t> row_stride, type, first_row;   // first_row: prefix sums, + total at end
   std::vector<BlockFormat> format;
   bool any_quantized = false;
+  // which activation forms the shards' dot kernels read (gguf_dot.cpp): steps per 16 (the
+  // 32-weight formats) and steps per 256 (K-quants)
+  bool any_per_16 = false, any_per_256 = false;
+  bool any_float = false;                               // F32 / F16 / BF16 shards
 
   Shards(const std::vector<at::Tensor>& raws, const std::vector<int64_t>& types, int64_t k) {
     TORCH_CHECK(!raws.empty() && raws.size() == types.size(),
@@ -282,6 +320,9 @@ struct Shards {
       format.push_back(f);
       first_row.push_back(first_row.back() + r.size(0));
       any_quantized = any_quantized || f.quantized;
+      any_per_16 = any_per_16 || (f.quantized && f.weights == 32);
+      any_per_256 = any_per_256 || (f.quantized && f.weights == 256);
+      any_float = any_float || !f.quantized;
     }
   }
   int64_t rows() const { return first_row.back(); }
@@ -295,12 +336,13 @@ struct Shards {
   }
 };
 
-// rows above which a projection dequantizes weight tiles for ATen's GEMM instead of running
-// integer dot products. The dot kernels decode each weight block once per group of 4 rows, so
-// their cost grows ~linearly in rows; the tiles pay a dequantization of the whole weight per
-// call and then fp32 FMAs (a quarter of maddubs' multiplies per instruction). Timed on a Q4_K
-// gate|up of Qwen2.5-1.5B: dots ~1.1 ms a row at 4-16 rows, tiles ~2.4 ms a row at 32 rows
-// (~0.9 at 512): the dots win through batched decode; prefill chunks take the tiles.
+// Activation rows one pass of the dot kernels takes (their per-thread buffers); more rows run
+// as passes of this many. The kernels decode each weight block once per group of 4 rows, so
+// a pass of 64 rows reads the weights once per 64 rows and multiplies in int8 at the rate of
+// fp32 FMA: timed on a Q4_K gate|up of Qwen2.5-1.5B (2 AVX2 cores), 0.22 ms a row at 64 rows,
+// where fp32 tiles + ATen's GEMM took 0.22-0.42 ms a row at 65-512 rows. Float shards (F32 /
+// F16 / BF16) of a projection with more rows keep the tiles (many_rows): their dot is a plain
+// fp32 loop without blocking.
 constexpr int64_t kGgufDotRowsMax = 64;
 
 void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {

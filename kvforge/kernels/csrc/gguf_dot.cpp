@@ -2,29 +2,41 @@
 // GgufWeight: one projection's shards, multiplied by these kernels inside a DecodeStack team or
 // from Python.
 //
-// Activations are quantized once per call (per thread: a few us) to int8 with a step per 16:
+// Activations are quantized once per call (per thread: a few us) to int8, in the form each
+// block family's kernel reads (a projection whose shards mix families gets both):
 //
-//   q    int8  [K]          round(x / d), |q| <= 127, d = max |x| / 127 of each 16
-//   dv   float [K / 32, 8]  each 32-block's two steps as the dot's lanes take them:
-//                           [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
-//   s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
-//   s32  float [K / 32]     the same per 32 (s16 pairs)
+//   32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): a step per 16
+//     q    int8  [K]          round(x / d), |q| <= 127, d = max |x| / 127 of each 16
+//     dv   float [K / 32, 8]  each 32-block's two steps as the dot's lanes take them:
+//                             [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
+//     s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
+//     s32  float [K / 32]     the same per 32 (s16 pairs)
+//   K-quants (Q4_K, Q5_K, Q6_K): a step per 256 (the super-block, as llama.cpp's Q8_K)
+//     q256    int8  [K]        round(x / d256), d256 = max |x| / 127 of each 256
+//     d256    float [K / 256]
+//     bsum16  int16 [K / 16]   sum(q256) of each 16: what Q6_K's zero point multiplies
+//     sum32   float [K / 32]   d256 * sum(q256) of each 32: what Q4_K / Q5_K's mins multiply
 //
 // Each type's kernel turns a block's bytes into unsigned codes in registers (no scratch row)
 // and multiplies them by the activations' bytes:
 //
-//   maddubs(codes u8, q s8) -> 16 int16 pair sums; madd(., 1) -> 8 int32:
+//   maddubs(codes u8, q s8) -> 16 int16 pair sums; madd(., scale) -> 8 int32:
 //   lanes 0..3 = bytes 0..15, lanes 4..7 = bytes 16..31     (so dv's halves line up)
 //
-//   dot(w, x) = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv        (vector FMA)
-//             + sum over 16/32-wide groups  offset * s16 / s32                  (a few FMAs per
-//                                                                              256 weights)
+//   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
+//                            + offset * s16 / s32                (a vector FMA per 32 weights)
+//   K-quants:          dot = sum over super-blocks  d256 * (d * sumi - dmin * summ)
+//                      sumi = sum over sub-blocks  sub-scale * (codes . q256)      (int32)
+//                      minus  dmin * sub-min . sum32          (a vector FMA per super-block)
 //
-// Codes are unsigned so maddubs takes them as they are; a signed format's zero point (Q4_0's
-// -8, Q5_0's -16, Q6_K's -32) is an offset like Q4_1's min. Q8_0 (signed bytes) moves the
-// sign onto the activations (_mm256_sign_epi8). The step per 16 (llama.cpp rounds per 32 or
-// 256) costs one vector load per 32 weights and confines an outlier channel's coarse step to
-// 16 values.
+// A K-quant super-block's sub-block scales enter the integer multiply (madd), so its 256
+// weights cost one conversion and two FMAs per activation row: the integer sums are exact, so every row count
+// (and the portable kernel) gets the same integers. Codes are unsigned so maddubs takes them
+// as they are; a signed format's zero point (Q4_0's -8, Q5_0's -16, Q6_K's -32) is an offset
+// like Q4_1's min. Q8_0 (signed bytes) moves the sign onto the activations
+// (_mm256_sign_epi8). The step per 16 of the small-block formats confines an outlier channel's
+// coarse step to 16 values at one vector load per 32 weights; the K-quants' per-256 step
+// (llama.cpp's choice) trades that for integer accumulation over the super-block.
 //
 // Without AVX2 (builds for other CPUs) each row is unpacked to codes (gguf_blocks.cpp) and
 // dotted by a scalar loop: the same arithmetic, the reference the tests compare.
@@ -34,17 +46,41 @@ namespace kvforge {
 namespace {
 
 struct ActRow {
-  const int8_t* q;
+  const int8_t* q;                  // steps per 16
   const float *dv, *s16, *s32;
+  const int8_t* q256;               // steps per 256
+  const float* d256;
+  const int16_t* bsum16;
+  const float* sum32;
 };
 
 struct GgufActivations {
   int64_t k = 0;
-  std::vector<int8_t> q;
-  std::vector<float> dv, s16, s32;
+  std::vector<int8_t> q, q256;
+  std::vector<float> dv, s16, s32, d256, sum32;
+  std::vector<int16_t> bsum16;
 
-  void quantize(const float* x, int64_t xs, int64_t rows, int64_t width) {
+  void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
+                bool per_256) {
     k = width;
+    if (per_16) quantize_per_16(x, xs, rows);
+    if (per_256) quantize_per_256(x, xs, rows);
+  }
+  // the rows as the kernels take them (valid until the next quantize; a form not asked for
+  // points at stale or empty buffers its kernels never read)
+  const ActRow* rows(int64_t count) {
+    views.resize(count);
+    for (int64_t m = 0; m < count; ++m)
+      views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
+                  s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
+                  q256.data() + m * k,        d256.data() + m * (k / 256),
+                  bsum16.data() + m * (k / 16), sum32.data() + m * (k / 32)};
+    return views.data();
+  }
+  std::vector<ActRow> views;
+
+ private:
+  void quantize_per_16(const float* x, int64_t xs, int64_t rows) {
     q.resize(rows * k);
     dv.resize(rows * k / 32 * 8);
     s16.resize(rows * k / 16);
@@ -69,15 +105,68 @@ struct GgufActivations {
         s32[b] = (h % 2 ? s32[b] : 0.f) + d * static_cast<float>(sum);
       }
   }
-  // the rows as the kernels take them (valid until the next quantize)
-  const ActRow* rows(int64_t count) {
-    views.resize(count);
-    for (int64_t m = 0; m < count; ++m)
-      views[m] = {q.data() + m * k, dv.data() + m * (k / 32) * 8, s16.data() + m * (k / 16),
-                  s32.data() + m * (k / 32)};
-    return views.data();
+  void quantize_per_256(const float* x, int64_t xs, int64_t rows) {
+    q256.resize(rows * k);
+    d256.resize(rows * k / 256);
+    bsum16.resize(rows * k / 16);
+    sum32.resize(rows * k / 32);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t sb = 0; sb < k / 256; ++sb) {
+        const float* v = x + r * xs + 256 * sb;
+        int8_t* out = q256.data() + r * k + 256 * sb;
+        int16_t* bsum = bsum16.data() + r * (k / 16) + 16 * sb;
+        const float amax = abs_max_256(v);
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        d256[r * (k / 256) + sb] = d;
+        round_256(v, inv, out, bsum);
+        for (int j = 0; j < 8; ++j)
+          sum32[r * (k / 32) + 8 * sb + j] = d * static_cast<float>(bsum[2 * j] + bsum[2 * j + 1]);
+      }
   }
-  std::vector<ActRow> views;
+  // max |v| of 256 values (max is exact: any order gives the same result)
+  static float abs_max_256(const float* v) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 256; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.f;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(v[j]));
+    return amax;
+#endif
+  }
+  // out = round-to-nearest-even(v * inv) (|out| <= 127), bsum = sums of each 16
+  static void round_256(const float* v, float inv, int8_t* out, int16_t* bsum) {
+#if defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (int h = 0; h < 16; ++h) {
+      // cvtps rounds as nearbyint does (the default MXCSR mode: to nearest, ties to even)
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h), scale));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h + 8), scale));
+      const __m256i sum = _mm256_add_epi32(a, b);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      bsum[h] = static_cast<int16_t>(_mm_cvtsi128_si32(s4) + _mm_extract_epi32(s4, 1));
+      // int32 -> int16 -> int8 (values fit: no saturation), lanes back in order
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), w8);
+    }
+#else
+    for (int h = 0; h < 16; ++h) {
+      int sum = 0;
+      for (int j = 16 * h; j < 16 * h + 16; ++j) {
+        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+        out[j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      bsum[h] = static_cast<int16_t>(sum);
+    }
+#endif
+  }
 };
 
 // out[m] = W row . activation row m, for m < rows (<= kGgufDotRowsMax)
@@ -106,6 +195,30 @@ void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t ro
     out[m] = total;
   }
 }
+// K-quants: integer sums per super-block, two float products each
+template <int64_t Type>
+void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows,
+                     float* out) {
+  constexpr int64_t kBytes = Type == kQ4_K ? 144 : Type == kQ5_K ? 176 : 210;
+  for (int64_t m = 0; m < rows; ++m) out[m] = 0.f;
+  KQuantBlock blk;
+  for (int64_t sb = 0; sb < k / 256; ++sb) {
+    unpack_k_block(Type, row + kBytes * sb, blk);
+    for (int64_t m = 0; m < rows; ++m) {
+      const int8_t* x = acts[m].q256 + 256 * sb;
+      int64_t sumi = 0;
+      float mins = 0.f;
+      for (int i = 0; i < 16; ++i) {
+        int32_t dot16 = 0;
+        for (int j = 16 * i; j < 16 * i + 16; ++j) dot16 += blk.q[j] * x[j];
+        sumi += int64_t{blk.scale[i]} * dot16;
+      }
+      for (int i = 0; i < 8; ++i)       // min per 32 (Q6_K: 0)
+        mins += blk.dmin * static_cast<float>(blk.min[2 * i]) * acts[m].sum32[8 * sb + i];
+      out[m] += blk.d * acts[m].d256[sb] * static_cast<float>(sumi) - mins;
+    }
+  }
+}
 
 // the reference kernel of a type (builds without AVX2 run it; tests compare with it)
 RowsDot reference_rows_dot(int64_t type) {
@@ -115,9 +228,9 @@ RowsDot reference_rows_dot(int64_t type) {
     case kQ4_1: return dot_via_codes<kQ4_1>;
     case kQ5_0: return dot_via_codes<kQ5_0>;
     case kQ5_1: return dot_via_codes<kQ5_1>;
-    case kQ4_K: return dot_via_codes<kQ4_K>;
-    case kQ5_K: return dot_via_codes<kQ5_K>;
-    case kQ6_K: return dot_via_codes<kQ6_K>;
+    case kQ4_K: return k_dot_via_codes<kQ4_K>;
+    case kQ5_K: return k_dot_via_codes<kQ5_K>;
+    case kQ6_K: return k_dot_via_codes<kQ6_K>;
     default: return nullptr;
   }
 }
@@ -148,6 +261,12 @@ inline __m256 scaled_dot_u8(__m256i codes, const int8_t* x, __m256i scale) {
   const __m256i pairs =
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale));
+}
+// the same as 8 int32 sums (K-quants accumulate a super-block in integers)
+inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+      scale);
 }
 // 32 nibbles of 16 bytes: byte j -> codes j (low nibble) and j + 16 (high nibble)
 inline __m256i nibbles_32(const uint8_t* p) {
@@ -263,26 +382,20 @@ struct K4Kernel {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    alignas(16) int16_t scale[8];
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + kBytes * sb;
-      const __m128i sm = k_scales_mins(blk + 4);
-      // the 6-bit scales as int16 (madd multiplies each pair sum by its sub-block's scale, so
-      // the float work per 32 weights is one conversion and one FMA); the super-block's d
-      // multiplies once per 256 weights
-      _mm_store_si128(reinterpret_cast<__m128i*>(scale), _mm_cvtepu8_epi16(sm));
-      const __m256 m = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-          _mm256_set1_ps(fp16_at(blk + 2)));
-      const __m256 d = _mm256_set1_ps(fp16_at(blk));
+      // int16 s0..s7 | m0..m7; the scales in both 128-bit lanes (a shuffle broadcasts one);
+      // the mins as floats times dmin, for every row's sum32
+      const __m128i sm8 = k_scales_mins(blk + 4);
+      const __m256i sm = _mm256_cvtepu8_epi16(sm8);
+      const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8))),
+                                        _mm256_set1_ps(fp16_at(blk + 2)));
       const uint8_t* qs = blk + kQs;
       __m256i qh;
       if constexpr (FifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      // two FMA chains per row (low and high nibbles): at one row a single chain's ~4-cycle
-      // FMA latency would bound the loop; every row count sums in the same order, so a row
-      // gets the same bits in a group as alone
-      __m256 part[R], part_hi[R];
-      for (int r = 0; r < R; ++r) part[r] = part_hi[r] = _mm256_setzero_ps();
+      __m256i sum[R], sum_hi[R];
+      for (int r = 0; r < R; ++r) sum[r] = sum_hi[r] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
         __m256i lo = _mm256_and_si256(raw, low4);
@@ -296,20 +409,30 @@ struct K4Kernel {
           hi = _mm256_or_si256(hi, _mm256_and_si256(
               _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
         }
-        const __m256i s_lo = _mm256_set1_epi16(scale[2 * c]);
-        const __m256i s_hi = _mm256_set1_epi16(scale[2 * c + 1]);
+        // sub-block 2c's scale in every int16 lane (bytes 4c, 4c + 1 of each lane), 2c + 1's
+        const __m256i s_lo =
+            _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 1) + 4 * c)));
+        const __m256i s_hi =
+            _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 3) + 4 * c + 2)));
+        // one row: two accumulators keep two maddubs -> madd -> add chains in flight; more
+        // rows are chains of their own, and a second set of registers would spill (timed:
+        // one accumulator a row runs ~15% faster at 4 rows, two ~7% faster at 1 row)
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = a[r].q + 256 * sb + 64 * c;
-          const float* dv = a[r].dv + 64 * sb + 16 * c;
-                    part[r] = _mm256_fmadd_ps(scaled_dot_u8(lo, x, s_lo), _mm256_loadu_ps(dv), part[r]);
-          part_hi[r] = _mm256_fmadd_ps(scaled_dot_u8(hi, x + 32, s_hi),
-                                       _mm256_loadu_ps(dv + 8), part_hi[r]);
+          const int8_t* x = a[r].q256 + 256 * sb + 64 * c;
+          if constexpr (R == 1) {
+            sum[r] = _mm256_add_epi32(sum[r], scaled_isum_u8(lo, x, s_lo));
+            sum_hi[r] = _mm256_add_epi32(sum_hi[r], scaled_isum_u8(hi, x + 32, s_hi));
+          } else {
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
+                                                               scaled_isum_u8(hi, x + 32, s_hi)));
+          }
         }
       }
+      const float d = fp16_at(blk);
       for (int r = 0; r < R; ++r) {
-        part[r] = _mm256_add_ps(part[r], part_hi[r]);
-        acc[r] = _mm256_fmadd_ps(part[r], d, acc[r]);
-        acc[r] = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a[r].s32 + 8 * sb), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[r], sum_hi[r])),
+                                 _mm256_set1_ps(d * a[r].d256[sb]), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a[r].sum32 + 8 * sb), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
@@ -323,31 +446,23 @@ struct K4Kernel {
 //   block 4h+2: ql[64h + j] >> 4       | bits 5:4
 //   block 4h+3: ql[64h + 32 + j] >> 4  | bits 7:6 >> 2
 // (16-bit shifts: whatever crosses a byte is masked away by 0x0F / 0x30)
+// The zero point in integers: sum_i scale_i (code_i - 32) q_i = codes' sum - 32 sum_i scale_i
+// bsum16_i.
 struct Q6KKernel {
   template <int R>
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    alignas(32) int16_t scale[16];
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + 210 * sb;
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(scale), _mm256_cvtepi8_epi16(sc8));
-      const float d_scalar = fp16_at(blk + 208);
-      const __m256 d = _mm256_set1_ps(d_scalar);
-      // the zero point: -32 d sum_i scale_i s16_i
-      const __m256 z = _mm256_set1_ps(-32.f * d_scalar);
-      const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
-      const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-      __m256 part[R], part_odd[R];           // two FMA chains (see K4Kernel)
-      for (int r = 0; r < R; ++r) {
-        part_odd[r] = _mm256_setzero_ps();
-        __m256 zero = _mm256_mul_ps(s_lo, _mm256_loadu_ps(a[r].s16 + 16 * sb));
-        zero = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(a[r].s16 + 16 * sb + 8), zero);
-        acc[r] = _mm256_fmadd_ps(zero, z, acc[r]);
-        part[r] = _mm256_setzero_ps();
-      }
+      // int16 scales 0..7 | 8..15, and each half in both lanes for the shuffles below
+      const __m256i sc =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m256i sc_first = _mm256_permute2x128_si256(sc, sc, 0x00);
+      const __m256i sc_second = _mm256_permute2x128_si256(sc, sc, 0x11);
+      __m256i sum[R], sum_odd[R];
+      for (int r = 0; r < R; ++r) sum[r] = sum_odd[r] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
         const __m256i ql1 =
@@ -364,21 +479,30 @@ struct Q6KKernel {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
         };
+        const __m256i& half_scales = h == 0 ? sc_first : sc_second;
         for (int g = 0; g < 4; ++g) {
           const int blk32 = 4 * h + g;                      // 32-block in the super-block
-          // int16 lanes 0..7 (bytes 0..15) take scale 2 blk32, lanes 8..15 scale 2 blk32 + 1
-          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(scale[2 * blk32 + 1]),
-                                             _mm_set1_epi16(scale[2 * blk32]));
-          __m256* chain = g % 2 ? part_odd : part;     // g is unrolled: a fixed choice
+          // int16 lanes 0..7 (bytes 0..15) take scale 2 blk32, lanes 8..15 scale 2 blk32 + 1:
+          // in half_scales (scales 8h..8h+7 per lane) they are int16 2g and 2g + 1
+          const __m256i pick = _mm256_set_m128i(
+              _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 3) + 4 * g + 2)),
+              _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 1) + 4 * g)));
+          const __m256i s = _mm256_shuffle_epi8(half_scales, pick);
+          // two chains at one row, one a row at more (see K4Kernel); g is unrolled
+          __m256i* chain = R == 1 && g % 2 ? sum_odd : sum;
           for (int r = 0; r < R; ++r)
-            chain[r] = _mm256_fmadd_ps(
-                scaled_dot_u8(codes[g], a[r].q + 256 * sb + 32 * blk32, s),
-                _mm256_loadu_ps(a[r].dv + 64 * sb + 8 * blk32), chain[r]);
+            chain[r] = _mm256_add_epi32(
+                chain[r], scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 32 * blk32, s));
         }
       }
+      const float d = fp16_at(blk + 208);
       for (int r = 0; r < R; ++r) {
-        part[r] = _mm256_add_ps(part[r], part_odd[r]);
-        acc[r] = _mm256_fmadd_ps(part[r], d, acc[r]);
+        const __m256i zero = _mm256_madd_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].bsum16 + 16 * sb)), sc);
+        const __m256i total = _mm256_sub_epi32(_mm256_add_epi32(sum[r], sum_odd[r]),
+                                               _mm256_slli_epi32(zero, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a[r].d256[sb]),
+                                 acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);

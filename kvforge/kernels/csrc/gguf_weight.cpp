@@ -1,10 +1,11 @@
 // GgufWeight: one projection over GGUF blocks (q | k | v, gate | up: a raw tensor and type per
 // shard, as the file stores them), checked once at load and multiplied in place:
 //
-//   rows <= kGgufDotRowsMax   integer dot products straight from the blocks (gguf_dot.cpp),
+//   block-quantized shards    integer dot products straight from the blocks (gguf_dot.cpp),
 //                             the output rows split between a team's threads (team.h); inside a
-//                             DecodeStack step (run) or as one call from Python (linear)
-//   more rows (prefill)       weight tiles dequantized to fp32 for ATen's GEMM (many_rows)
+//                             DecodeStack step (run) or as one call from Python (linear), in
+//                             passes of kGgufDotRowsMax activation rows (prefill chunks)
+//   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
 //
 // The raw tensors are views of the file's memory map (quant/gguf.py): nothing is copied.
 #include "kernels.h"
@@ -35,7 +36,7 @@ class GgufWeight {
     thread_local std::vector<float> values;
     const ActRow* acts = nullptr;
     if (shards_.any_quantized) {
-      act.quantize(x, xs, rows, k_);
+      act.quantize(x, xs, rows, k_, shards_.any_per_16, shards_.any_per_256);
       acts = act.rows(rows);
     }
     float out[kGgufDotRowsMax];
@@ -71,12 +72,16 @@ class GgufWeight {
     }
     const int64_t rows = x.size(0);
     at::Tensor y = at::empty({rows, out_features()}, x.options());
-    if (rows <= kGgufDotRowsMax) {
-      std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
-      run_team([&](const Team& team) {
-        run(x.data_ptr<float>(), x.stride(0), b, y.data_ptr<float>(), out_features(), rows, team,
-            claims.data());
-      });
+    if (rows <= kGgufDotRowsMax || !shards_.any_float) {
+      const int64_t xs = x.stride(0), ys = out_features();
+      for (int64_t m0 = 0; m0 < rows; m0 += kGgufDotRowsMax) {
+        const int64_t pass = std::min(kGgufDotRowsMax, rows - m0);
+        std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
+        run_team([&](const Team& team) {
+          run(x.data_ptr<float>() + m0 * xs, xs, b, y.data_ptr<float>() + m0 * ys, ys, pass,
+              team, claims.data());
+        });
+      }
     } else {
       many_rows(x, shards_, y);
       if (b != nullptr) y.add_(*bias);
