@@ -78,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")
     from kvforge.sparsity.commands import add_sparsity_args
     add_sparsity_args(g)
+    from kvforge.offload.commands import add_offload_engine_args
+    add_offload_engine_args(g)
 
 
 def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
@@ -111,7 +113,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 distributed_executor_backend=args.distributed_executor_backend,
                 activation_sparsity=args.activation_sparsity,
                 activation_sparsity_mode=args.activation_sparsity_mode,
-                activation_sparsity_allocation=args.activation_sparsity_allocation)
+                activation_sparsity_allocation=args.activation_sparsity_allocation,
+                offload_memory_budget=args.offload_memory_budget, offload_dir=args.offload_dir,
+                offload_policy=args.offload_policy, offload_batch_size=args.offload_batch_size,
+                offload_block_batches=args.offload_block_batches,
+                offload_trace=args.offload_trace)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -253,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     add_catalog_commands(sub)
     from kvforge.sparsity.commands import add_calibrate_command
     add_calibrate_command(sub)
+    from kvforge.offload.commands import add_offload_commands
+    add_offload_commands(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

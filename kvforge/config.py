@@ -89,6 +89,16 @@ class EngineConfig:
     activation_sparsity: float = 0.0
     activation_sparsity_mode: str = "teal"
     activation_sparsity_allocation: str = "greedy"   # teal: greedy per kind | uniform
+    # offloading (kvforge/offload, FlexGen): a fast-tier (RAM) budget for weights, KV and
+    # activations turns it on; layers stream from offload_dir (None = ~/.cache/kvforge/offload).
+    # policy: lp | naive | w=PCT (resident share); batch_size sequences per batch,
+    # block_batches per block (None: the policy chooses); offload_trace: Chrome trace JSON
+    offload_memory_budget: int | str | None = None
+    offload_dir: str | None = None
+    offload_policy: str = "lp"
+    offload_batch_size: int = 8
+    offload_block_batches: int | None = None
+    offload_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -147,6 +157,8 @@ class EngineConfig:
             raise ValueError(f"activation_sparsity {self.activation_sparsity} runs in the "
                              f"single-process decode stack; tensor_parallel_size must be 1, "
                              f"got {self.tensor_parallel_size}")
+        from kvforge.offload.config import validate_offload_args
+        validate_offload_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -37,6 +37,9 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 def create_model_runner(config: EngineConfig, source: ModelSource,
                         max_model_len: int) -> ModelRunner:
+    if config.offload_memory_budget_bytes is not None:
+        from kvforge.offload.runner import OffloadModelRunner
+        return OffloadModelRunner(config, source, max_model_len)
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, source, max_model_len)
     return TensorParallelModelRunner(config, source, max_model_len)

@@ -1,0 +1,326 @@
+"""FlexGen-style offloading (kvforge/offload) vs the naive policy, HF Accelerate's disk offload
+and the model fully in memory.
+
+Workload (FlexGen's): ``--prompts`` prompts of ~32 tokens, ``--output-tokens`` greedy tokens
+each (EOS ignored), the fp32 model under ``--budget`` of RAM for weights, KV and activations.
+Each system runs in a child process of its own, so peak RSS and ``/proc/self/io`` read bytes
+are its own. Reported per system: end-to-end tok/s (prefill included), decode tok/s (all-decode
+steps only), peak RSS, bytes read from storage per generated token, the loader's overlap
+fraction, the LP's predicted decode tok/s. The naive policy and Accelerate run the first
+``--naive-prompts`` / ``--accelerate-prompts`` prompts: both run one batch at a time, so their
+throughput does not depend on how many batches follow (a full 128-prompt run would only take
+longer). Greedy tokens of every offloaded run are compared with the in-memory run's.
+
+``--grid`` also measures decode tok/s over block sizes and placements (explicit policies) and
+reports the LP's choice against the best of them.
+
+    flock /work/bench.lock .venv/bin/python benchmarks/offload.py                 # ~6 min
+    flock /work/bench.lock .venv/bin/python benchmarks/offload.py --grid --prompts 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.hardware import hardware_line  # noqa: E402
+from benchmarks.report import format_table  # noqa: E402
+
+TOPICS = ["harbour", "mountain", "library", "garden", "factory", "desert", "forest", "market"]
+
+
+def make_prompts(n: int) -> list[str]:
+    return [f"Robot number {i} lived near the {TOPICS[i % len(TOPICS)]}. Every morning it "
+            f"walked out, counted what it saw and wrote a short poem about it. Today the "
+            f"robot wrote:" for i in range(n)]
+
+
+def proc_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------- children
+def child_runtime(cfg: dict) -> dict:
+    """The fixed overhead: interpreter, torch, kvforge, tokenizer, kernels; no weights."""
+    import torch  # noqa: F401
+    from kvforge.engine.llm_engine import LLMEngine  # noqa: F401
+    from kvforge.kernels import cpu_kernels
+    from kvforge.loader.source import load_model_source
+    source = load_model_source(cfg["model"])
+    source.load_tokenizer()
+    cpu_kernels()
+    return {"peak_rss": peak_rss()}
+
+
+def child_kvforge(cfg: dict) -> dict:
+    from kvforge import LLM, SamplingParams
+    kwargs = dict(quantization="none", max_model_len=cfg["max_model_len"],
+                  num_threads=cfg["threads"], enable_prefix_caching=False)
+    if cfg["policy"] != "memory":
+        kwargs.update(offload_memory_budget=cfg["budget"], offload_dir=cfg["offload_dir"],
+                      offload_policy=cfg["policy"], offload_batch_size=cfg["batch_size"],
+                      offload_block_batches=cfg.get("block_batches"))
+    else:
+        kwargs.update(kv_cache_memory="1GiB")
+    llm = LLM(cfg["model"], **kwargs)
+    start_rss = current_rss()          # the engine started: no weights touched yet (offload)
+    prompts = make_prompts(cfg["prompts"])
+    params = SamplingParams(temperature=0, max_tokens=cfg["output_tokens"], ignore_eos=True)
+    read0 = proc_read_bytes()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n_tokens = sum(len(t) for t in tokens)
+    result = {"tok_s": n_tokens / seconds, "seconds": seconds, "tokens": tokens,
+              "proc_read_per_token": (proc_read_bytes() - read0) / n_tokens,
+              "peak_rss": peak_rss(), "start_rss": start_rss}
+    runner = llm.engine.runner
+    if cfg["policy"] != "memory":
+        model = runner.model
+        steps = model.decode_steps
+        result.update(
+            decode_tok_s=sum(s for s, _ in steps) / max(sum(t for _, t in steps), 1e-9),
+            read_per_token=model.bytes_read / n_tokens,
+            written_per_token=model.bytes_written / n_tokens,
+            overlap=model.trace.overlap_fraction(),
+            predicted_decode_tok_s=runner.placement.predicted_tokens_per_s,
+            placement=runner.placement.describe(),
+            block_batches=runner.placement.block_batches,
+            counts=list(runner.placement.counts),
+            disk_read_mb_s=runner.hardware.disk_read_bytes_per_s / 1e6)
+        if cfg.get("trace"):
+            model.trace.write(cfg["trace"])
+        llm.engine.shutdown()
+    return result
+
+
+def hf_dir_of(model_path: str, cache_dir: str) -> str:
+    """The GGUF model as an fp32 HF directory (what Accelerate loads), converted once."""
+    out = os.path.join(cache_dir, "hf-" + os.path.basename(model_path).removesuffix(".gguf"))
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        # transformers will not save a GGUF-loaded model: write the same fp32 tensors kvforge
+        # dequantizes (HF names) next to the GGUF's config and tokenizer
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer
+
+        from kvforge.loader.source import load_model_source
+        d, f = os.path.dirname(model_path), os.path.basename(model_path)
+        os.makedirs(out, exist_ok=True)
+        AutoConfig.from_pretrained(d, gguf_file=f).save_pretrained(out)
+        AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
+        tensors = {name: t.float().contiguous()
+                   for name, t in load_model_source(model_path).iter_weights()}
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def child_accelerate(cfg: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(cfg["threads"])
+    hf_dir = cfg["hf_dir"]
+    folder = os.path.join(cfg["offload_dir"], "accelerate")
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, device_map="auto", max_memory={"cpu": cfg["budget"]}, offload_folder=folder,
+        torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    prompts = make_prompts(cfg["prompts"])
+    read0 = proc_read_bytes()
+    start = time.perf_counter()
+    tokens = []
+    for i in range(0, len(prompts), cfg["batch_size"]):
+        enc = tok(prompts[i:i + cfg["batch_size"]], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=cfg["output_tokens"],
+                                 min_new_tokens=cfg["output_tokens"], do_sample=False)
+        tokens += out[:, enc["input_ids"].shape[1]:].tolist()
+    seconds = time.perf_counter() - start
+    n_tokens = sum(len(t) for t in tokens)
+    placed = {}
+    for v in getattr(model, "hf_device_map", {}).values():
+        placed[str(v)] = placed.get(str(v), 0) + 1
+    return {"tok_s": n_tokens / seconds, "seconds": seconds, "peak_rss": peak_rss(),
+            "proc_read_per_token": (proc_read_bytes() - read0) / n_tokens,
+            "device_map": placed}
+
+
+CHILDREN = {"runtime": child_runtime, "kvforge": child_kvforge, "accelerate": child_accelerate}
+
+
+def run_child(cfg: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"child {cfg.get('kind')}/{cfg.get('policy')} failed:\n"
+                       f"{proc.stderr[-3000:]}")
+
+
+# ---------------------------------------------------------------- parent
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M)")
+    p.add_argument("--budget", default="128MiB")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--naive-prompts", type=int, default=16)
+    p.add_argument("--accelerate-prompts", type=int, default=8)
+    p.add_argument("--accelerate-output-tokens", type=int, default=4,
+                   help="Accelerate's disk offload makes ~0.2 tok/s here: fewer tokens")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every system (1: a 2-thread team on a shared 2-core "
+                        "machine waits on whichever core is busy elsewhere)")
+    p.add_argument("--offload-dir", default=os.path.expanduser("~/.cache/kvforge/offload"))
+    p.add_argument("--skip-accelerate", action="store_true")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--grid", action="store_true", help="also run the grid of placements")
+    p.add_argument("--grid-only", action="store_true")
+    p.add_argument("--grid-output-tokens", type=int, default=6)
+    p.add_argument("--trace", default=None, help="Chrome trace of the lp run")
+    args = p.parse_args()
+    if args.child:
+        cfg = json.loads(args.child)
+        print("RESULT " + json.dumps(CHILDREN[cfg["kind"]](cfg)), flush=True)
+        return 0
+
+    from kvforge.loader.source import load_model_source
+    model_path = load_model_source(args.model).path
+    base = dict(model=model_path, budget=args.budget, max_model_len=args.max_model_len,
+                threads=args.threads, offload_dir=args.offload_dir, batch_size=args.batch_size,
+                output_tokens=args.output_tokens)
+    print(hardware_line() + f" | systems run {args.threads} torch thread(s)")
+    print(f"model {os.path.basename(model_path)} fp32, budget {args.budget}, "
+          f"{args.prompts} prompts x {args.output_tokens} tokens, batch {args.batch_size}")
+    overhead = run_child(dict(base, kind="runtime"))["peak_rss"]
+    budget_bytes = _parse_bytes(args.budget)
+    results: dict[str, dict] = {}
+    if not args.grid_only:
+        results["lp"] = run_child(dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
+                                       trace=args.trace))
+        results["naive"] = run_child(dict(base, kind="kvforge", policy="naive",
+                                          prompts=args.naive_prompts))
+        if not args.skip_accelerate:
+            hf_dir = hf_dir_of(model_path, args.offload_dir)
+            results["accelerate"] = run_child(dict(base, kind="accelerate", hf_dir=hf_dir,
+                                                   prompts=args.accelerate_prompts,
+                                                   output_tokens=args.accelerate_output_tokens))
+        if not args.skip_memory:
+            results["memory"] = run_child(dict(base, kind="kvforge", policy="memory",
+                                               prompts=args.prompts))
+        _report(results, overhead, budget_bytes, args)
+    if args.grid or args.grid_only:
+        _grid(base, args, results.get("lp"))
+    return 0
+
+
+def _report(results: dict, overhead: int, budget: int, args) -> None:
+    mem = results.get("memory")
+    rows = []
+    for name, r in results.items():
+        same = "-"
+        if mem is not None and "tokens" in r and name != "memory":
+            same = "yes" if r["tokens"] == mem["tokens"][:len(r["tokens"])] else "NO"
+        rows.append([name, f"{r['tok_s']:.2f}", f"{r['decode_tok_s']:.2f}" if "decode_tok_s" in r else "-",
+                     f"{r['peak_rss'] / 2**20:.0f}",
+                     f"{(r['peak_rss'] - overhead) / 2**20:.0f}",
+                     f"{(r['peak_rss'] - r['start_rss']) / 2**20:.0f}" if "start_rss" in r else "-",
+                     f"{r.get('read_per_token', r['proc_read_per_token']) / 2**20:.2f}",
+                     f"{r['overlap']:.2f}" if "overlap" in r else "-",
+                     f"{r['predicted_decode_tok_s']:.1f}" if "predicted_decode_tok_s" in r else "-",
+                     same])
+    print(format_table(["system", "tok/s", "decode tok/s", "peak RSS MiB",
+                        "RSS - runtime MiB", "RSS - started engine MiB", "read MiB/token", "overlap", "LP predicted",
+                        "greedy = memory"], rows))
+    print(f"runtime overhead (interpreter + torch + kvforge + tokenizer + kernels, no weights): "
+          f"{overhead / 2**20:.0f} MiB")
+    for name, r in results.items():
+        if "placement" in r:
+            print(f"{name}: {r['placement']}; disk {r['disk_read_mb_s']:.0f} MB/s")
+        if "device_map" in r:
+            print(f"{name}: device_map modules per device {r['device_map']}")
+    lp, naive = results["lp"], results["naive"]
+    parts = [f"lp {lp['tok_s']:.1f} tok/s = {lp['tok_s'] / naive['tok_s']:.1f}x naive"]
+    if "accelerate" in results:
+        parts.append(f"{lp['tok_s'] / results['accelerate']['tok_s']:.1f}x Accelerate")
+    if mem is not None:
+        parts.append(f"{lp['tok_s'] / mem['tok_s']:.2f}x in-memory")
+    parts.append(f"peak RSS {lp['peak_rss'] / 2**20:.0f} MiB = started engine "
+                 f"{lp['start_rss'] / 2**20:.0f} MiB (runtime {overhead / 2**20:.0f} MiB + "
+                 f"skeleton, scheduler) + {(lp['peak_rss'] - lp['start_rss']) / 2**20:.0f} MiB "
+                 f"for a {budget / 2**20:.0f} MiB budget")
+    parts.append(f"LP predicted decode {lp['predicted_decode_tok_s']:.1f} vs measured "
+                 f"{lp['decode_tok_s']:.1f} tok/s")
+    parts.append(f"overlap {lp['overlap']:.2f}")
+    if mem is not None:
+        same = all(r["tokens"] == mem["tokens"][:len(r["tokens"])]
+                   for n, r in results.items() if n in ("lp", "naive"))
+        parts.append(f"greedy identical to in-memory: {'yes' if same else 'NO'}")
+    print(f"SUMMARY offload ({hardware_line()}): " + "; ".join(parts))
+
+
+def _grid(base: dict, args, lp: dict | None) -> None:
+    """Decode tok/s over block sizes x placements, each with prompts to fill its block."""
+    points = []
+    for nb in (2, 4, 8, 16):
+        for policy in ("w=0,kv=0", "w=10,kv=0", "w=0,kv=20"):
+            points.append((nb, policy))
+    lp_run = run_child(dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
+                            output_tokens=args.grid_output_tokens))
+    rows, best = [], None
+    for nb, policy in points:
+        try:
+            r = run_child(dict(base, kind="kvforge", policy=policy, block_batches=nb,
+                               prompts=nb * args.batch_size,
+                               output_tokens=args.grid_output_tokens))
+        except RuntimeError as e:
+            rows.append([nb, policy, "does not fit", "-", "-"])
+            print(f"grid {nb}/{policy}: {str(e).splitlines()[-1][:160]}", file=sys.stderr)
+            continue
+        rows.append([nb, policy, f"{r['decode_tok_s']:.2f}", f"{r['predicted_decode_tok_s']:.1f}",
+                     f"{r['peak_rss'] / 2**20:.0f}"])
+        if best is None or r["decode_tok_s"] > best[2]:
+            best = (nb, policy, r["decode_tok_s"])
+    rows.append([lp_run["block_batches"], f"lp {lp_run['counts']}",
+                 f"{lp_run['decode_tok_s']:.2f}", f"{lp_run['predicted_decode_tok_s']:.1f}",
+                 f"{lp_run['peak_rss'] / 2**20:.0f}"])
+    print(format_table(["block batches", "placement", "decode tok/s", "predicted",
+                        "peak RSS MiB"], rows))
+    if best is not None:
+        ratio = lp_run["decode_tok_s"] / best[2]
+        print(f"SUMMARY offload grid: LP choice ({lp_run['block_batches']} batches, "
+              f"counts {lp_run['counts']}) {lp_run['decode_tok_s']:.2f} decode tok/s = "
+              f"{ratio:.2f} of the grid best ({best[0]} batches, {best[1]}: {best[2]:.2f})")
+
+
+def _parse_bytes(value: str) -> int:
+    from kvforge.config import parse_bytes
+    return parse_bytes(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

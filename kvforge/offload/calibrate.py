@@ -1,0 +1,112 @@
+"""Hardware constants of the cost model, measured once and cached: the disk tier's direct-read
+bandwidth, and the time a linear layer takes per million fp32 parameters at a few row counts
+(memory-bound at few rows, compute-bound at many). ``kvforge offload calibrate`` runs it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvforge.offload.direct_io import measure_disk_bandwidth
+
+CALIBRATION_ROWS = (1, 8, 32, 128, 512)
+CACHE_PATH = os.path.expanduser("~/.cache/kvforge/offload_calibration.json")
+
+
+@dataclass
+class HardwareCosts:
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    # seconds per million fp32 weights of a linear layer at each row count (CALIBRATION_ROWS)
+    linear_s_per_mparam: dict[int, float]
+    memory_bytes_per_s: float             # streaming reads from RAM (attention over the KV)
+    per_layer_call_s: float = 2e-4        # Python + small ops of one layer call on one batch
+
+    def linear_seconds(self, params: float, rows: int) -> float:
+        """Interpolated in log(rows) between the measured points; linear in rows past the last."""
+        pts = sorted((int(r), s) for r, s in self.linear_s_per_mparam.items())
+        rows = max(rows, 1)
+        if rows >= pts[-1][0]:
+            return params / 1e6 * pts[-1][1] * rows / pts[-1][0]
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if r0 <= rows <= r1:
+                f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return params / 1e6 * (s0 + f * (s1 - s0))
+        return params / 1e6 * pts[0][1]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HardwareCosts":
+        d = dict(d)
+        d["linear_s_per_mparam"] = {int(k): float(v) for k, v in d["linear_s_per_mparam"].items()}
+        return cls(**d)
+
+
+def _cache_key(offload_dir: str) -> str:
+    st = os.stat(offload_dir)
+    return f"v3|{platform.node()}|{platform.processor()}|dev{st.st_dev}|threads{torch.get_num_threads()}"
+
+
+def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
+    disk_read, disk_write = measure_disk_bandwidth(offload_dir, probe_bytes)
+    n = k = 2048                              # 4M params, 16 MB: past the caches
+    w = torch.randn(n, k)
+    per_rows = {}
+    from kvforge.kernels import ops as kernel_ops
+
+    def linear(x):      # the op the layers run: the compiled few-rows kernel, else MKL
+        y = kernel_ops.linear_rows(x, w)
+        return torch.nn.functional.linear(x, w) if y is None else y
+
+    with torch.inference_mode():
+        for rows in CALIBRATION_ROWS:
+            x = torch.randn(rows, k)
+            linear(x)
+            reps = max(2, 64 // rows)
+            start = time.perf_counter()
+            for _ in range(reps):
+                linear(x)
+            per_rows[rows] = (time.perf_counter() - start) / reps / (n * k / 1e6)
+        big = torch.ones(16 << 20)                 # 64 MB of fp32
+        big.sum()
+        start = time.perf_counter()
+        for _ in range(3):
+            big.sum()
+        mem = 3 * big.numel() * 4 / (time.perf_counter() - start)
+        # one decoder layer's ~12 small ops (norms, rotary, residual adds) on a tiny batch
+        h = torch.randn(8, 256)
+        start = time.perf_counter()
+        for _ in range(200):
+            for _ in range(12):
+                h = h * 1.0
+        per_call = (time.perf_counter() - start) / 200
+    return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call)
+
+
+def load_or_measure(offload_dir: str, refresh: bool = False,
+                    cache_path: str = CACHE_PATH) -> tuple[HardwareCosts, bool]:
+    """(costs, measured_now): the cached constants for this machine, disk and thread count."""
+    os.makedirs(offload_dir, exist_ok=True)
+    key = _cache_key(offload_dir)
+    cache: dict = {}
+    if os.path.exists(cache_path):
+        try:
+            with open(cache_path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            cache = {}
+    if not refresh and key in cache:
+        return HardwareCosts.from_json(cache[key]), False
+    costs = measure(offload_dir)
+    cache[key] = costs.to_json()
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    with open(cache_path, "w") as f:
+        json.dump(cache, f, indent=1)
+    return costs, True

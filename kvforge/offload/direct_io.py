@@ -1,0 +1,109 @@
+"""Disk-tier I/O that really reaches the disk: O_DIRECT reads into page-aligned buffers, or,
+where the filesystem refuses O_DIRECT (tmpfs, some overlays), buffered reads followed by
+``posix_fadvise(DONTNEED)`` so the page cache does not quietly become a second RAM tier."""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import torch
+
+ALIGN = 4096          # O_DIRECT wants buffer, offset and length aligned to the logical block
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+class AlignedBuffer:
+    """A page-aligned anonymous mapping (O_DIRECT's requirement) seen as a uint8 tensor. Pages
+    are not touched until written, so an unused buffer costs no resident memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = align_up(max(nbytes, 1))
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+def open_direct(path: str, writable: bool = False) -> tuple[int, bool]:
+    """(fd, direct): an O_DIRECT descriptor, or a buffered one where O_DIRECT is refused."""
+    mode = os.O_RDWR if writable else os.O_RDONLY
+    flags = mode | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+        if flags & getattr(os, "O_DIRECT", 0):
+            probe = AlignedBuffer(ALIGN)     # some filesystems accept the flag, fail the read
+            os.preadv(fd, [probe.view], 0)
+            return fd, True
+        return fd, False
+    except OSError:
+        try:
+            os.close(fd)               # type: ignore[possibly-undefined]
+        except (OSError, UnboundLocalError):
+            pass
+        return os.open(path, mode), False
+
+
+class DiskFile:
+    """One file of the disk tier, read into aligned buffers at aligned offsets."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd, self.direct = open_direct(path)
+        self.bytes_read = 0
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` (aligned, length a multiple of ALIGN) from ``offset`` (aligned)."""
+        want = len(buf)
+        done = 0
+        while done < want:
+            n = os.preadv(self.fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"short read of {self.path} at {offset + done}: file truncated?")
+            done += n
+        self.bytes_read += want
+        if not self.direct:
+            os.posix_fadvise(self.fd, offset, want, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def write_file(path: str, chunks: list[tuple[int, bytes | memoryview]], size: int) -> None:
+    """Write ``(offset, data)`` chunks into a new file of ``size`` bytes, fsync it and drop it
+    from the page cache (the store is then read from the disk, not from memory)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for offset, data in chunks:
+            os.pwrite(fd, data, offset)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def measure_disk_bandwidth(directory: str, nbytes: int = 256 << 20,
+                           chunk: int = 16 << 20) -> tuple[float, float]:
+    """(read, write) bytes/s of the disk tier: a fresh file of ``nbytes`` in ``directory``
+    written and synced (the write rate), evicted, then read back directly (the read rate)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, ".kvforge-bandwidth-probe")
+    block = os.urandom(1 << 20) * (chunk >> 20)
+    start = time.perf_counter()
+    write_file(path, [(off, block) for off in range(0, nbytes, chunk)], nbytes)
+    write_rate = nbytes / (time.perf_counter() - start)
+    f = DiskFile(path)
+    buf = AlignedBuffer(chunk)
+    try:
+        start = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            f.read_into(buf.view, off)
+        return nbytes / (time.perf_counter() - start), write_rate
+    finally:
+        f.close()
+        os.unlink(path)

@@ -1,0 +1,148 @@
+"""The ModelRunner of an offloaded model: builds (once, in a child process) or opens the weight
+store, calibrates the hardware (cached), lets the policy place layers and size the block, then
+runs the ordinary ModelRunner over an ``OffloadedLM``. The policy's block (batch_size x
+block_batches sequences) becomes the scheduler's ``max_num_seqs``: one engine step is one
+block, so continuous batching refills it as sequences finish."""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.model_runner import ModelRunner
+from kvforge.loader.source import ModelSource
+from kvforge.models.registry import get_model_class
+from kvforge.offload.calibrate import load_or_measure
+from kvforge.offload.cost_model import ModelFacts, Workload
+from kvforge.offload.direct_io import AlignedBuffer
+from kvforge.offload.kv_disk import DiskKVLayer
+from kvforge.offload.layer_timing import time_layer_batch
+from kvforge.offload.policy import choose_placement, parse_policy
+from kvforge.offload.store_builder import ensure_store
+from kvforge.offload.streamed_model import OffloadedLM
+from kvforge.offload.trace import TraceRecorder
+from kvforge.offload.weight_store import WeightStore, store_key
+
+logger = logging.getLogger(__name__)
+
+PLANNED_SEQ_LEN_MAX = 512     # KV planned per sequence when max_model_len is the model's context
+
+
+def model_facts(skeleton, store: WeightStore) -> ModelFacts:
+    cfg = skeleton.config
+    layer_params = sum(_numel(e["shape"]) for e in store.layers[0]["tensors"])
+    vocab, hidden = store.head["shape"]
+    rotary = skeleton.model.rotary_emb
+    fixed = sum(b.numel() * b.element_size() for b in rotary.buffers())
+    fixed += 4 * hidden * (2 * skeleton.num_layers + 1)             # the norms
+    return ModelFacts(
+        num_layers=skeleton.num_layers, layer_bytes=store.layer_bytes, layer_params=layer_params,
+        head_bytes=store.head_bytes, head_params=vocab * hidden, stage_bytes=store.layer_bytes,
+        hidden_size=hidden, intermediate_size=cfg.intermediate_size, vocab_size=vocab,
+        kv_bytes_per_token_layer=skeleton.kv_cache_bytes_per_token() // skeleton.num_layers,
+        fixed_bytes=fixed)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class OffloadModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self._max_model_len = max_model_len
+        super().__init__(config, source, max_model_len)
+        # disk-KV layers: their pool is a file; the RAM tensors of those layers stay untouched
+        # (anonymous pages never written cost nothing)
+        kv_dir = os.path.join(config.offload_dir_path, f"kv-{os.getpid()}")
+        os.makedirs(kv_dir, exist_ok=True)
+        block_shape = tuple(self.kv_caches[0].shape[2:])
+        # RAM-KV layers in ordinary pages, faulted in as tokens arrive: the huge-page pool
+        # faults 2 MiB per layer for the first token, which a tight budget cannot spare; the
+        # disk-KV layers' RAM pools are never touched (zeros of this size are lazily mapped)
+        self._kv_buffers = [AlignedBuffer(c.numel() * c.element_size()) for c in self.kv_caches]
+        self.kv_caches = [b.tensor[:c.numel() * c.element_size()].view(c.dtype).view(c.shape)
+                          for b, c in zip(self._kv_buffers, self.kv_caches)]
+        self.model.attach_kv_disk({
+            j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), self.num_blocks,
+                           block_shape, self.kv_caches[0].dtype)
+            for j in self.placement.kv_disk_layers})
+        self._kv_dir = kv_dir
+        # at shutdown, or at exit for callers that never shut the engine down (kvforge generate)
+        self._trace_written = False
+        if config.offload_trace:
+            atexit.register(self._write_trace)
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        config = self.config
+        directory = os.path.join(config.offload_dir_path,
+                                 f"store-{store_key(source.path, 'none', config.dtype)}")
+        built = ensure_store(source.path, directory, config.dtype)
+        if built:
+            logger.info("offload: weight store built in %.1f s at %s", built, directory)
+        store = WeightStore(directory)
+        skeleton = get_model_class(source.config.architecture)(
+            source.config, attn_backend=config.attention_backend, dtype=self.dtype,
+            device=self.device)
+        skeleton.requires_grad_(False)
+        hw, measured = load_or_measure(config.offload_dir_path)
+        logger.info("offload: disk tier %.0f MB/s direct reads (%s, %s)",
+                    hw.disk_read_bytes_per_s / 1e6,
+                    "O_DIRECT" if store.direct else "buffered + posix_fadvise(DONTNEED)",
+                    "measured now" if measured else "cached calibration")
+        workload = Workload(seq_len=min(self._max_model_len, PLANNED_SEQ_LEN_MAX),
+                            step_tokens=config.max_num_batched_tokens,
+                            block_size=config.block_size)
+        facts = dataclasses.replace(
+            model_facts(skeleton, store),
+            layer_batch_s=time_layer_batch(skeleton, store, config.offload_batch_size,
+                                           workload.seq_len, config.block_size))
+        logger.info("offload: one layer on a batch of %d decodes: %.2f ms",
+                    config.offload_batch_size, facts.layer_batch_s * 1e3)
+        placement = choose_placement(parse_policy(config.offload_policy), facts, hw, workload,
+                                     config.offload_memory_budget_bytes,
+                                     config.offload_batch_size, config.offload_block_batches)
+        logger.info("%s", placement.describe())
+        self.placement, self.hardware, self.facts = placement, hw, facts
+        # one engine step is one block (engine/llm_engine builds the scheduler after the runner)
+        config.max_num_seqs = placement.block_seqs
+        return OffloadedLM(skeleton, store, placement, TraceRecorder())
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_layer_block = self.model.kv_cache_bytes_per_block(self.block_size) // self.model.num_layers
+        return max(1, self.placement.kv_pool_bytes // per_layer_block)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for j, cache in enumerate(self.kv_caches):
+            disk = self.model.kv_disk.get(j)
+            if disk is not None:
+                disk.copy_blocks(copies)
+            else:
+                cache[:, dst] = cache[:, src]
+
+    @property
+    def supports_decode_steps(self) -> bool:
+        return False        # the compiled multi-step decode holds every weight resident
+
+    def _write_trace(self) -> None:
+        if self.config.offload_trace and not self._trace_written:
+            self.model.trace.write(self.config.offload_trace)
+            self._trace_written = True
+
+    def shutdown(self) -> None:
+        self._write_trace()
+        self.model.close()
+        try:
+            os.rmdir(self._kv_dir)
+        except OSError:
+            pass

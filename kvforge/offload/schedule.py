@@ -1,0 +1,26 @@
+"""The zig-zag block schedule: a block of ``num_batches`` batches is traversed column by column
+(FlexGen's Figure 3): layer j runs on every batch of the block before layer j + 1 starts, so one
+load of layer j's weights serves them all. Consecutive layers walk the batches in opposite
+directions (0..n-1, then n-1..0): the batch a layer finishes on is the one the next layer starts
+on, whose activations are the most recently touched."""
+from __future__ import annotations
+
+
+def zigzag_order(num_layers: int, num_batches: int) -> list[tuple[int, int]]:
+    """[(layer, batch)] in compute order."""
+    if num_layers < 0 or num_batches < 1:
+        raise ValueError(f"need num_layers >= 0 and num_batches >= 1, got {num_layers}, "
+                         f"{num_batches}")
+    order: list[tuple[int, int]] = []
+    for layer in range(num_layers):
+        batches = range(num_batches) if layer % 2 == 0 else range(num_batches - 1, -1, -1)
+        order.extend((layer, b) for b in batches)
+    return order
+
+
+def split_batches(num_seqs: int, batch_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) sequence ranges of at most ``batch_size`` (decodes stay first
+    within each range because the step's layout puts them first)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return [(s, min(s + batch_size, num_seqs)) for s in range(0, num_seqs, batch_size)]

@@ -1,0 +1,239 @@
+"""A Llama-family model whose decoder layers, LM head and (where placed there) KV stream from
+the disk tier.
+
+``forward`` keeps the model contract the ModelRunner calls (token ids, positions, the paged KV
+caches, the step's AttentionMetadata), so the scheduler, the paged KV, continuous batching and
+the server run unchanged on top. Inside, the step's sequences are cut into batches of
+``batch_size`` (together: the block) and traversed in the zig-zag order: a layer's weights,
+read once (or resident), serve every batch of the block while the weight loader reads the next
+layer; a disk-KV layer's batches are staged by the KV loader one batch ahead and written back
+by the store thread behind. The LM head streams in chunks of at most a layer's size, each chunk
+serving every row of the block."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels import ops as kernel_ops
+from kvforge.models.base import PagedKVModelMixin
+from kvforge.offload.cost_model import KV_STAGING_SLOTS
+from kvforge.offload.direct_io import AlignedBuffer
+from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
+from kvforge.offload.loader import Stage, StageLoader
+from kvforge.offload.policy import Placement
+from kvforge.offload.schedule import split_batches, zigzag_order
+from kvforge.offload.store_worker import StoreWorker
+from kvforge.offload.trace import TraceRecorder
+from kvforge.offload.weight_store import WeightStore
+
+
+@dataclass
+class _Batch:
+    tokens: tuple[int, int]               # [t0, t1) of the step's tokens
+    meta: AttentionMetadata               # global block ids (RAM-KV layers)
+    plan: BlockReadPlan | None = None     # disk-KV layers: staged blocks
+    local_meta: AttentionMetadata | None = None
+    written: list[int] | None = None      # local ids of blocks receiving new tokens
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None off glibc. A step frees megabytes of activations that
+    glibc keeps in its heap (its mmap threshold rises with every large free), which would hold
+    the process's RSS above the budget the policy planned; trimming returns them."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+class OffloadedLM(PagedKVModelMixin, nn.Module):
+    def __init__(self, skeleton: nn.Module, store: WeightStore, placement: Placement,
+                 trace: TraceRecorder | None = None) -> None:
+        super().__init__()
+        self.inner = skeleton
+        self.config = skeleton.config
+        self.num_layers = skeleton.num_layers
+        self.dtype = skeleton.dtype
+        self.store = store
+        self.placement = placement
+        self.trace = trace or TraceRecorder()
+        model = skeleton.model
+        # the skeleton's tables were never touched (torch.empty): drop them for good
+        model.embed_tokens = None
+        skeleton.lm_head.weight = None
+        model.norm.weight.data = store.read_norm()
+        self._resident_buffers = []
+        self.resident_layers = set(placement.resident_layers)
+        for j in sorted(self.resident_layers):
+            buf = AlignedBuffer(store.layers[j]["nbytes"])
+            store.read_layer(j, buf.view)
+            store.bind_layer(model.layers[j], j, buf.tensor)
+            self._resident_buffers.append(buf)
+        self.head_chunks = store.head_chunks(store.layer_bytes)
+        self.loader = StageLoader(store.layer_bytes, placement.slots, placement.overlap,
+                                  self.trace)
+        self.kv_disk: dict[int, DiskKVLayer] = {}
+        self.kv_loader: StageLoader | None = None
+        self.store_worker: StoreWorker | None = None
+        self._head_scheduled = False
+        self._step_start: float | None = None
+        self._step_seqs = 0
+        # (sequences, seconds) of each all-decode step: the measured decode throughput
+        self.decode_steps: list[tuple[int, float]] = []
+
+    def attach_kv_disk(self, layers: dict[int, DiskKVLayer]) -> None:
+        """Disk-KV layers (the runner creates their files once the pool size is known)."""
+        self.kv_disk = layers
+        if layers:
+            self.kv_loader = StageLoader(1 << 20, KV_STAGING_SLOTS, True, self.trace)
+            self.store_worker = StoreWorker(self.trace)
+
+    def first_attention_backend(self):
+        return self.inner.model.layers[0].self_attn.attn
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read + sum(d.bytes_read for d in self.kv_disk.values())
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(d.bytes_written for d in self.kv_disk.values())
+
+    def close(self) -> None:
+        self.loader.close()
+        if self.kv_loader is not None:
+            self.kv_loader.close()
+            self.store_worker.close()
+        for d in self.kv_disk.values():
+            d.close()
+        self.store.close()
+
+    # ------------------------------------------------------------ stages
+    def _layer_stage(self, j: int) -> Stage:
+        store = self.store
+        return Stage(f"layer {j}", lambda buf: store.read_layer(j, buf))
+
+    def _head_stages(self) -> list[Stage]:
+        store = self.store
+        return [Stage(f"head {i}", lambda buf, c=c: store.read_head_chunk(c, buf))
+                for i, c in enumerate(self.head_chunks)]
+
+    def _batches(self, meta: AttentionMetadata) -> list[_Batch]:
+        ranges = split_batches(meta.num_seqs, self.placement.batch_size)
+        qsl = meta.query_start_loc.tolist()
+        B = meta.block_size
+        ctx_all = meta.context_lens.tolist()
+        out = []
+        for a, b in ranges:
+            q = meta.query_lens_list[a:b]
+            ctx = ctx_all[a:b]
+            tables = [meta.block_tables[i, :math.ceil(meta.seq_lens_list[i] / B)].tolist()
+                      for i in range(a, b)]
+            sub = meta if len(ranges) == 1 else AttentionMetadata.build(q, ctx, tables, B)
+            batch = _Batch((qsl[a], qsl[b]), sub)
+            if self.kv_disk:
+                plan = plan_block_reads([x for t in tables for x in t])
+                local = [[plan.local_of[x] for x in t] for t in tables]
+                batch.plan = plan
+                batch.local_meta = AttentionMetadata.build(q, ctx, local, B)
+                batch.written = sorted({t[p // B] for t, c, n in zip(local, ctx, q)
+                                        for p in range(c, c + n)})
+            out.append(batch)
+        return out
+
+    # ------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
+        self.loader.drain()          # head chunks of a step that needed no logits
+        self._step_start = self.trace.now()
+        self._step_seqs = meta.num_seqs if meta.num_decodes == meta.num_seqs else 0
+        batches = self._batches(meta)
+        order = zigzag_order(self.num_layers, len(batches))
+        streamed = [j for j in range(self.num_layers) if j not in self.resident_layers]
+        self.loader.schedule([self._layer_stage(j) for j in streamed] + self._head_stages())
+        self._head_scheduled = True
+        if self.kv_disk:
+            self._schedule_kv(batches, order)
+
+        model = self.inner.model
+        rotary = model.rotary_emb
+        hidden = [self.store.embedding_rows(input_ids[b.tokens[0]:b.tokens[1]]) for b in batches]
+        residual: list[torch.Tensor | None] = [None] * len(batches)
+        cos_sin = [rotary.cos_sin(positions[b.tokens[0]:b.tokens[1]]) for b in batches]
+        n = len(batches)
+        weights = None
+        for i, (j, k) in enumerate(order):
+            layer = model.layers[j]
+            if i % n == 0:                        # first batch of layer j: its weights
+                if j not in self.resident_layers:
+                    weights = self.loader.acquire(f"layer {j}")
+                    self.store.bind_layer(layer, j, weights.tensor)
+                start = self.trace.now()
+            batch = batches[k]
+            cos, sin = cos_sin[k]
+            disk = self.kv_disk.get(j)
+            if disk is None:
+                hidden[k], residual[k] = layer(hidden[k], residual[k], rotary, cos, sin,
+                                               kv_caches[j], batch.meta)
+            else:
+                slot = self.kv_loader.acquire(f"kv {j}/{k}")
+                cache = disk.staging_view(slot.tensor, batch.plan)
+                hidden[k], residual[k] = layer(hidden[k], residual[k], rotary, cos, sin,
+                                               cache, batch.local_meta)
+                self.store_worker.submit(
+                    f"kv {j}/{k}",
+                    lambda d=disk, b=batch, s=slot: d.write(b.plan, b.written, s.buffer.view),
+                    lambda s=slot: self.kv_loader.release(s))
+            if i % n == n - 1:                    # last batch of layer j: its slot is free
+                self.trace.add("compute", f"layer {j}", start, self.trace.now())
+                if j not in self.resident_layers:
+                    self.loader.release(weights)
+        if self.store_worker is not None:
+            self.store_worker.flush()             # the next step reads what this one wrote
+        out = [model.norm(h, r)[0] for h, r in zip(hidden, residual)]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _schedule_kv(self, batches: list[_Batch], order: list[tuple[int, int]]) -> None:
+        need = max(next(iter(self.kv_disk.values())).staging_bytes(b.plan) for b in batches)
+        if need > self.kv_loader.slot_bytes:
+            self.kv_loader.resize(need)
+        self.kv_loader.schedule([
+            Stage(f"kv {j}/{k}", lambda buf, d=self.kv_disk[j], p=batches[k].plan: d.read(p, buf))
+            for j, k in order if j in self.kv_disk])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every row's logits, one streamed head chunk at a time (each chunk serves all rows)."""
+        if not self._head_scheduled:
+            self.loader.drain()
+            self.loader.schedule(self._head_stages())
+        self._head_scheduled = False
+        logits = torch.empty(hidden.shape[0], self.config.vocab_size, dtype=torch.float32)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        for i, chunk in enumerate(self.head_chunks):
+            slot = self.loader.acquire(f"head {i}")
+            w = self.store.head_chunk_tensor(chunk, slot.tensor)
+            start = self.trace.now()
+            y = kernel_ops.linear_rows(x, w)
+            if y is None:
+                y = torch.nn.functional.linear(x, w)
+            logits[:, chunk.row_start:chunk.row_end] = y
+            self.trace.add("compute", f"head {i}", start, self.trace.now())
+            self.loader.release(slot)
+        if self._step_seqs and self._step_start is not None:
+            self.decode_steps.append((self._step_seqs, self.trace.now() - self._step_start))
+            self._step_start = None
+        if _TRIM is not None:
+            _TRIM(0)
+        return logits

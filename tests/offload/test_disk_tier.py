@@ -1,0 +1,110 @@
+"""The disk tier: direct reads, the weight store round trip, head chunks, KV blocks on disk,
+and the loader's ordering."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, write_file
+from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads
+from kvforge.offload.loader import Stage, StageLoader
+from kvforge.offload.trace import TraceRecorder
+from kvforge.offload.weight_store import WeightStore, _layout, _raw, layer_tensors
+
+
+def test_direct_file_reads_what_was_written_and_evicts_the_page_cache(tmp_path):
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(3 * ALIGN)
+    write_file(path, [(0, data)], 3 * ALIGN)
+    f = DiskFile(path)
+    buf = AlignedBuffer(2 * ALIGN)
+    f.read_into(buf.view[:2 * ALIGN], ALIGN)
+    assert bytes(buf.view[:2 * ALIGN]) == data[ALIGN:]
+    assert f.bytes_read == 2 * ALIGN
+    f.close()
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 5)
+        self.b = nn.Linear(5, 3, bias=False)
+        self.register_buffer("scale", torch.arange(3.0))
+
+
+def test_layer_layout_round_trip_and_bind(tmp_path):
+    src, dst = TwoLinear(), TwoLinear()
+    entries, size = _layout(layer_tensors(src))
+    assert all(e["offset"] % ALIGN == 0 for e in entries) and size % ALIGN == 0
+    tensors = dict(layer_tensors(src))
+    path = str(tmp_path / "layer.bin")
+    write_file(path, [(e["offset"], _raw(tensors[e["name"]])) for e in entries], size)
+    store = WeightStore.__new__(WeightStore)
+    store.layers = [{"file": "layer.bin", "nbytes": size, "tensors": entries}]
+    buf = AlignedBuffer(size)
+    DiskFile(path).read_into(buf.view[:size], 0)
+    store.bind_layer(dst, 0, buf.tensor)
+    x = torch.randn(2, 8)
+    assert torch.equal(dst.b(dst.a(x)) * dst.scale, src.b(src.a(x)) * src.scale)
+    assert dst.a.weight.untyped_storage().data_ptr() == buf.tensor.data_ptr()
+
+
+def test_layer_with_a_hidden_tensor_attribute_is_refused():
+    layer = TwoLinear()
+    layer.a.cached = torch.zeros(2)
+    with pytest.raises(ValueError, match="a.cached is not a parameter or buffer"):
+        layer_tensors(layer)
+
+
+def test_block_read_plan_coalesces_runs_and_short_gaps():
+    plan = plan_block_reads([7, 3, 4, 5, 9, 20, 21])
+    assert plan.runs == [(3, 7, 0), (20, 2, 7)]     # 3..9 read through the gaps at 6 and 8
+    assert plan.num_local == 9
+    assert [plan.local_of[b] for b in (3, 5, 7, 9, 20, 21)] == [0, 2, 4, 6, 7, 8]
+
+
+def test_disk_kv_layer_round_trip(tmp_path):
+    shape = (16, 2, 32)                       # block of 16 tokens x 2 heads x 32 dims, fp32
+    layer = DiskKVLayer(str(tmp_path / "kv"), num_blocks=40, block_shape=shape,
+                        dtype=torch.float32)
+    assert layer.block_bytes % ALIGN == 0
+    plan = plan_block_reads([2, 3, 30])
+    buf = AlignedBuffer(layer.staging_bytes(plan))
+    staged = layer.staging_view(buf.tensor, plan)
+    staged.copy_(torch.randn_like(staged))
+    expect = staged.clone()
+    layer.write(plan, [plan.local_of[3], plan.local_of[30]], buf.view)
+    layer.copy_blocks([(30, 31)])
+    staged.zero_()
+    layer.read(plan, buf.view)
+    assert torch.equal(staged[:, plan.local_of[3]], expect[:, plan.local_of[3]])
+    assert torch.equal(staged[:, plan.local_of[30]], expect[:, plan.local_of[30]])
+    assert not staged[:, plan.local_of[2]].any()          # never written: zeros
+    other = plan_block_reads([31])
+    buf2 = AlignedBuffer(layer.staging_bytes(other))
+    layer.read(other, buf2.view)
+    assert torch.equal(layer.staging_view(buf2.tensor, other)[:, 0], expect[:, plan.local_of[30]])
+    layer.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_loader_serves_stages_in_order_and_refuses_out_of_order(prefetch):
+    reads = []
+
+    def stage(i):
+        def read(buf):
+            reads.append(i)
+            buf[:1] = bytes([i])
+        return Stage(f"s{i}", read)
+
+    loader = StageLoader(ALIGN, 2 if prefetch else 1, prefetch, TraceRecorder())
+    loader.schedule([stage(i) for i in range(5)])
+    for i in range(4):
+        slot = loader.acquire(f"s{i}")
+        assert slot.tensor[0].item() == i
+        loader.release(slot)
+    with pytest.raises(RuntimeError, match="out of order"):
+        loader.acquire("s7")
+    loader.close()
+    assert reads[:4] == [0, 1, 2, 3]
