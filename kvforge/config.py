@@ -159,6 +159,10 @@ class EngineConfig:
                              f"got {self.tensor_parallel_size}")
         from kvforge.offload.config import validate_offload_args
         validate_offload_args(self)
+        if self.activation_sparsity > 0 and self.offload_memory_budget is not None:
+            raise ValueError(f"activation_sparsity {self.activation_sparsity} runs in the "
+                             f"in-memory decode stack; offloaded models (offload_memory_budget "
+                             f"{self.offload_memory_budget!r}) stream dense layers")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -18,6 +18,8 @@ from kvforge.sparsity.thresholds import SparsityThresholds
     ({"activation_sparsity": 0.5, "activation_sparsity_mode": "relu"}, r"teal, cats, got 'relu'"),
     ({"activation_sparsity_allocation": "best"}, r"greedy, uniform, got 'best'"),
     ({"activation_sparsity": 0.5, "tensor_parallel_size": 2}, r"tensor_parallel_size must be 1"),
+    ({"activation_sparsity": 0.5, "offload_memory_budget": "512MiB"},
+     r"offloaded models \(offload_memory_budget '512MiB'\) stream dense layers"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
