@@ -92,12 +92,7 @@ struct GgufActivations {
         float amax = 0.f;
         for (int j = 0; j < 16; ++j) amax = std::max(amax, std::fabs(v[j]));
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int j = 0; j < 16; ++j) {
-          const int c = static_cast<int>(std::nearbyint(v[j] * inv));
-          out[j] = static_cast<int8_t>(c);
-          sum += c;
-        }
+        const int sum = round_16(v, inv, out);
         const int64_t b = r * (k / 32) + h / 2;
         float* lanes = dv.data() + 8 * b + 4 * (h % 2);
         for (int j = 0; j < 4; ++j) lanes[j] = d;
@@ -138,34 +133,35 @@ struct GgufActivations {
     return amax;
 #endif
   }
-  // out = round-to-nearest-even(v * inv) (|out| <= 127), bsum = sums of each 16
-  static void round_256(const float* v, float inv, int8_t* out, int16_t* bsum) {
+  // out = round-to-nearest-even(v * inv) for 16 values (|out| <= 127); returns their sum
+  static int round_16(const float* v, float inv, int8_t* out) {
 #if defined(__AVX2__)
     const __m256 scale = _mm256_set1_ps(inv);
-    for (int h = 0; h < 16; ++h) {
-      // cvtps rounds as nearbyint does (the default MXCSR mode: to nearest, ties to even)
-      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h), scale));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * h + 8), scale));
-      const __m256i sum = _mm256_add_epi32(a, b);
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      s4 = _mm_hadd_epi32(s4, s4);
-      bsum[h] = static_cast<int16_t>(_mm_cvtsi128_si32(s4) + _mm_extract_epi32(s4, 1));
-      // int32 -> int16 -> int8 (values fit: no saturation), lanes back in order
-      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-      const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), w8);
-    }
+    // cvtps rounds as nearbyint does (the default MXCSR mode: to nearest, ties to even)
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), scale));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), scale));
+    const __m256i sum = _mm256_add_epi32(a, b);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    // int32 -> int16 -> int8 (values fit: no saturation), lanes back in order
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
+    return _mm_cvtsi128_si32(s4) + _mm_extract_epi32(s4, 1);
 #else
-    for (int h = 0; h < 16; ++h) {
-      int sum = 0;
-      for (int j = 16 * h; j < 16 * h + 16; ++j) {
-        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
-        out[j] = static_cast<int8_t>(c);
-        sum += c;
-      }
-      bsum[h] = static_cast<int16_t>(sum);
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+      out[j] = static_cast<int8_t>(c);
+      sum += c;
     }
+    return sum;
 #endif
+  }
+  // the same for 256 values, with the sums of each 16 in bsum
+  static void round_256(const float* v, float inv, int8_t* out, int16_t* bsum) {
+    for (int h = 0; h < 16; ++h)
+      bsum[h] = static_cast<int16_t>(round_16(v + 16 * h, inv, out + 16 * h));
   }
 };
 
