@@ -3,8 +3,8 @@
 Every projection, the LM head and the token embedding keep the file's bytes: a uint8
 [rows, row_bytes] tensor over ``GGUFReader``'s memory map (``gguf_loader.raw_rows``), never
 dequantized at load. The compiled kernels (``kernels/csrc/gguf_blocks.cpp``,
-docs/gguf_native.md) multiply them directly: up to 16 activation rows by 8-bit integer dot
-products, more rows by dequantizing weight tiles for a float GEMM; an embedding lookup
+docs/gguf_native.md) multiply them directly by 8-bit integer dot products (prefill chunks in
+passes of 64 activation rows; float shards with more rows as fp32 tiles + GEMM); an embedding lookup
 dequantizes only the rows it looks up. ``--quantization none`` dequantizes everything to fp32
 at load and is the reference.
 
