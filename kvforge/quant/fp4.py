@@ -34,7 +34,7 @@ from kvforge.quant.base import (QuantizationConfig, is_lm_head, register_quantiz
                                 weight_shard_rows)
 from kvforge.quant.int8 import lm_head_method
 from kvforge.quant.lowrank import LoRCConfigMixin
-from kvforge.quant.row_formats import register_row_format
+from kvforge.quant.row_formats import GroupedCodeRows, register_row_format
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -121,21 +121,13 @@ def decode_packed_fp4(packed: torch.Tensor, scale: torch.Tensor,
 
 
 @dataclass
-class FP4Rows:
+class FP4Rows(GroupedCodeRows):
     """Rows of an FP4 weight: codes [n, Kp] uint8 0..15, scale [n, Kp/G] bf16, logical K,
     offset [n, Kp/G] bf16 (asymmetric) or None."""
     codes: torch.Tensor
     scale: torch.Tensor
     in_features: int
     offset: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.codes.shape[0], self.in_features)
-
-    @property
-    def group_size(self) -> int:
-        return self.codes.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_fp4(self.codes, self.scale, self.in_features, self.offset)

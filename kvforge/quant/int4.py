@@ -24,10 +24,11 @@ from kvforge.quant.base import (QuantizationConfig, is_lm_head, load_bias_shard,
                                 register_quantization)
 from kvforge.quant.int8 import Int8LinearMethod, lm_head_method
 from kvforge.quant.lowrank import LoRCConfigMixin
+from kvforge.quant.row_formats import GroupedCodeRows
 
 
 @dataclass
-class Int4Blocks:
+class Int4Blocks(GroupedCodeRows):
     """Rows of an INT4 weight whose codes are already chosen (portable form, see packing.py).
 
     codes [n, Kp] uint8 0..15, scale / zero [n, Kp/G]; ``shape`` is the logical (n, K), so the
@@ -36,14 +37,6 @@ class Int4Blocks:
     scale: torch.Tensor
     zero: torch.Tensor
     in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.codes.shape[0], self.in_features)
-
-    @property
-    def group_size(self) -> int:
-        return self.codes.shape[1] // self.scale.shape[1]
 
 
 class Int4LinearMethod(LinearMethod):

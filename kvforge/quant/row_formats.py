@@ -18,6 +18,21 @@ _READERS: dict[str, Reader] = {}
 _COMPANIONS: set[str] = set()
 
 
+class GroupedCodeRows:
+    """What rows of group-wise codes (``codes`` [n, Kp] with one ``scale`` [n, Kp/G] per group of
+    columns, logical width ``in_features``) derive from their fields: the logical shape the
+    model's loader checks like a tensor's, and the group size. Mixed into the rows dataclasses
+    (int4.Int4Blocks, fp4.FP4Rows)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.in_features)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+
 def register_row_format(marker: str, companions: tuple[str, ...], reader: Reader) -> None:
     if marker in _READERS or marker in _COMPANIONS:
         raise ValueError(f"saved-row suffix {marker!r} is registered twice")
