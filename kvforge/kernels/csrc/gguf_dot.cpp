@@ -11,12 +11,15 @@
 //                             [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
 //     s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
 //     s32  float [K / 32]     the same per 32 (s16 pairs)
-//   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 64 under one unit per 256
-//     q256     int8  [K]        round(x / step), |q| <= 127; step of each 64 = unit * 2^shift
-//     unit256  float [K / 256]  the super-block's finest step: (max |x| of the 256 / 127) / 16
-//     shift64  int64 [K / 64]   shift = 4 - e, e the largest <= 4 with max |x of the 64| * 2^e
-//                               <= max |x of the 256|: 64 values of small magnitude get a step
+//   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 32 under one unit per 256
+//     q256     int8  [K]        round(x / step), |q| <= 127; step of each 32 = unit * 2^shift
+//     unit256  float [K / 256]  the super-block's finest step: (max |x| of the 256 / 127) / 16;
+//                               shift = 4 - e, e the largest <= 4 with max |x of the 32| * 2^e
+//                               <= max |x of the 256|: 32 values of small magnitude get a step
 //                               up to 16x finer than the super-block's outlier would give them
+//     pow2_32  int16 [K/256, 16] 2^shift of 32-block j in lanes j and 8 + j (Q4_K / Q5_K's
+//                               scale layout: sub-block j's scale in lane j of each half)
+//     pow2_16  int16 [K / 16]   2^shift of each 16's 32-block (Q6_K's layout: a scale per 16)
 //     bsum16   int16 [K / 16]   sum(q) << shift of each 16 (in units): what Q6_K's zero point
 //                               multiplies (|.| <= 16 * 127 * 16 = 32512: fits)
 //     sum32    float [K / 32]   step * sum(q) of each 32: what Q4_K / Q5_K's mins multiply
@@ -30,8 +33,7 @@
 //   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
 //                            + offset * s16 / s32                (a vector FMA per 32 weights)
 //   K-quants:          dot = sum over super-blocks  unit256 * d * sumi  -  dmin * sub-min . sum32
-//                      sumi = sum over 64s  (sum over its sub-blocks  sub-scale * (codes . q256))
-//                                           << shift                                    (int32)
+//                      sumi = sum over sub-blocks  (sub-scale << shift) * (codes . q256)  (int32)
 //                      (the mins: a vector FMA per super-block)
 //
 // A K-quant super-block's sub-block scales enter the integer multiply (madd), so its 256
@@ -43,9 +45,10 @@
 // coarse step to 16 values at one vector load per 32 weights. The K-quants accumulate a whole
 // super-block in integers, so their steps must be integer multiples of one unit: llama.cpp
 // (Q8_K) uses one step per 256, which lets an outlier channel coarsen 255 other values (+0.8%
-// perplexity on Qwen2.5-1.5B Q4_K_M); power-of-two steps per 64 cost one shift per 64 weights
-// per row (per 32 cost ~20% of the prefill kernels' time; per 64, Q4_K's 32-byte chunk of two
-// sub-blocks, shares one shift).
+// perplexity on Qwen2.5-1.5B Q4_K_M). Power-of-two steps per 32 fold into the sub-block scales:
+// one int16 multiply per super-block per row (the scales times the row's powers of two), then
+// each row broadcasts its own scales (a shift per 32 weights per row instead cost 14-24% of
+// the prefill kernels' time).
 //
 // Without AVX2 (builds for other CPUs) each row is unpacked to codes (gguf_blocks.cpp) and
 // dotted by a scalar loop: the same arithmetic, the reference the tests compare.
@@ -59,7 +62,7 @@ struct ActRow {
   const float *dv, *s16, *s32;
   const int8_t* q256;               // power-of-two steps per 32 under a unit per 256
   const float* unit256;
-  const int64_t* shift64;
+  const int16_t *pow2_32, *pow2_16;
   const int16_t* bsum16;
   const float* sum32;
 };
@@ -68,8 +71,7 @@ struct GgufActivations {
   int64_t k = 0;
   std::vector<int8_t> q, q256;
   std::vector<float> dv, s16, s32, unit256, sum32;
-  std::vector<int64_t> shift64;
-  std::vector<int16_t> bsum16;
+  std::vector<int16_t> bsum16, pow2_32, pow2_16;
 
   void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
                 bool per_256) {
@@ -85,7 +87,8 @@ struct GgufActivations {
       views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
                   s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
                   q256.data() + m * k,        unit256.data() + m * (k / 256),
-                  shift64.data() + m * (k / 64), bsum16.data() + m * (k / 16),
+                  pow2_32.data() + m * (k / 256) * 16, pow2_16.data() + m * (k / 16),
+                  bsum16.data() + m * (k / 16),
                   sum32.data() + m * (k / 32)};
     return views.data();
   }
@@ -117,7 +120,8 @@ struct GgufActivations {
   void quantize_per_256(const float* x, int64_t xs, int64_t rows) {
     q256.resize(rows * k);
     unit256.resize(rows * k / 256);
-    shift64.resize(rows * k / 64);
+    pow2_32.resize(rows * k / 256 * 16);
+    pow2_16.resize(rows * k / 16);
     bsum16.resize(rows * k / 16);
     sum32.resize(rows * k / 32);
     for (int64_t r = 0; r < rows; ++r)
@@ -125,28 +129,24 @@ struct GgufActivations {
         const float* v = x + r * xs + 256 * sb;
         int8_t* out = q256.data() + r * k + 256 * sb;
         int16_t* bsum = bsum16.data() + r * (k / 16) + 16 * sb;
-        float block_max[4], amax = 0.f;
-        for (int j = 0; j < 4; ++j)
-          amax = std::max(amax, block_max[j] = std::max(abs_max_32(v + 64 * j),
-                                                        abs_max_32(v + 64 * j + 32)));
+        int16_t* p32 = pow2_32.data() + (r * (k / 256) + sb) * 16;
+        int16_t* p16 = pow2_16.data() + r * (k / 16) + 16 * sb;
+        float block_max[8], amax = 0.f;
+        for (int j = 0; j < 8; ++j) amax = std::max(amax, block_max[j] = abs_max_32(v + 32 * j));
         const float coarsest = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         unit256[r * (k / 256) + sb] = std::ldexp(coarsest, -kMaxShift);
-        for (int j = 0; j < 4; ++j) {
-          // the finest power-of-two step that keeps this 64's values within +-127 (powers of
+        for (int j = 0; j < 8; ++j) {
+          // the finest power-of-two step that keeps this 32's values within +-127 (powers of
           // two scale floats exactly, so the test and the rounding agree on every CPU)
           int e = 0;
           while (e < kMaxShift && std::ldexp(block_max[j], e + 1) <= amax) ++e;
-          const int shift = kMaxShift - e;
-          const float inv_block = std::ldexp(inv, e), step = std::ldexp(coarsest, -e);
-          shift64[r * (k / 64) + 4 * sb + j] = shift;
-          for (int h = 0; h < 2; ++h) {           // the two 32s: sum32 each, bsum16 per 16
-            const int b32 = 2 * j + h;
-            const int lo = round_16(v + 32 * b32, inv_block, out + 32 * b32);
-            const int hi = round_16(v + 32 * b32 + 16, inv_block, out + 32 * b32 + 16);
-            sum32[r * (k / 32) + 8 * sb + b32] = step * static_cast<float>(lo + hi);
-            bsum[2 * b32] = static_cast<int16_t>(lo * (1 << shift));
-            bsum[2 * b32 + 1] = static_cast<int16_t>(hi * (1 << shift));
-          }
+          const int16_t pow2 = static_cast<int16_t>(1 << (kMaxShift - e));
+          const int lo = round_16(v + 32 * j, std::ldexp(inv, e), out + 32 * j);
+          const int hi = round_16(v + 32 * j + 16, std::ldexp(inv, e), out + 32 * j + 16);
+          sum32[r * (k / 32) + 8 * sb + j] = std::ldexp(coarsest, -e) * static_cast<float>(lo + hi);
+          bsum[2 * j] = static_cast<int16_t>(lo * pow2);
+          bsum[2 * j + 1] = static_cast<int16_t>(hi * pow2);
+          p32[j] = p32[8 + j] = p16[2 * j] = p16[2 * j + 1] = pow2;
         }
       }
   }
@@ -220,7 +220,8 @@ void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t ro
     out[m] = total;
   }
 }
-// K-quants: integer sums per super-block (each 16's shifted to the unit), two float products
+// K-quants: integer sums per super-block (each 16's scale times its 32's power of two), two
+// float products
 template <int64_t Type>
 void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows,
                      float* out, const uint8_t*) {
@@ -231,13 +232,13 @@ void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t 
     unpack_k_block(Type, row + kBytes * sb, blk);
     for (int64_t m = 0; m < rows; ++m) {
       const int8_t* x = acts[m].q256 + 256 * sb;
-      const int64_t* shift = acts[m].shift64 + 4 * sb;
+      const int16_t* pow2 = acts[m].pow2_16 + 16 * sb;
       int64_t sumi = 0;
       float mins = 0.f;
       for (int i = 0; i < 16; ++i) {
         int32_t dot16 = 0;
         for (int j = 16 * i; j < 16 * i + 16; ++j) dot16 += blk.q[j] * x[j];
-        sumi += int64_t{blk.scale[i]} * dot16 * (int64_t{1} << shift[i / 4]);
+        sumi += int64_t{blk.scale[i]} * pow2[i] * dot16;
       }
       for (int i = 0; i < 8; ++i)       // min per 32 (Q6_K: 0)
         mins += blk.dmin * static_cast<float>(blk.min[2 * i]) * acts[m].sum32[8 * sb + i];
@@ -315,10 +316,6 @@ inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
   return _mm256_madd_epi16(
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
       scale);
-}
-// int32 lanes << the 64's shift (K-quant activations' steps are the unit << shift)
-inline __m256i shifted(__m256i v, const int64_t* shift) {
-  return _mm256_sll_epi32(v, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(shift)));
 }
 // 32 nibbles of 16 bytes: byte j -> codes j (low nibble) and j + 16 (high nibble)
 inline __m256i nibbles_32(const uint8_t* p) {
@@ -455,8 +452,13 @@ struct K4Kernel {
       const uint8_t* qs = blk + kQs;
       __m256i qh;
       if constexpr (FifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      __m256i sum[R], sum_hi[R];
-      for (int r = 0; r < R; ++r) sum[r] = sum_hi[r] = _mm256_setzero_si256();
+      // each row's scales times its 32-blocks' powers of two (<= 63 * 16: int16)
+      __m256i sum[R], sum_hi[R], row_scales[R];
+      for (int r = 0; r < R; ++r) {
+        sum[r] = sum_hi[r] = _mm256_setzero_si256();
+        row_scales[r] = _mm256_mullo_epi16(scales, _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a[r].pow2_32 + 16 * sb)));
+      }
       for (int c = 0; c < 4; ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
         __m256i lo = _mm256_and_si256(raw, low4);
@@ -470,22 +472,24 @@ struct K4Kernel {
           hi = _mm256_or_si256(hi, _mm256_and_si256(
               _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
         }
-        // sub-block 2c's scale in every int16 lane (bytes 4c, 4c + 1 of each lane), 2c + 1's
-        const __m256i s_lo =
-            _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 1) + 4 * c)));
-        const __m256i s_hi =
-            _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 3) + 4 * c + 2)));
         // one row: two accumulators keep two maddubs -> madd -> add chains in flight; more
         // rows are chains of their own, and a second set of registers would spill (timed:
         // one accumulator a row runs ~15% faster at 4 rows, two ~7% faster at 1 row)
-        // (chunk c is the 64 with one activation step: one shift for both sub-blocks)
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a[r].q256 + 256 * sb + 64 * c;
-          const __m256i p = shifted(_mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
-                                                     scaled_isum_u8(hi, x + 32, s_hi)),
-                                    a[r].shift64 + 4 * sb + c);
-          __m256i* chain = R == 1 && c % 2 ? sum_hi : sum;
-          chain[r] = _mm256_add_epi32(chain[r], p);
+          // sub-block 2c's scale << the row's shift in every int16 lane (bytes 4c, 4c + 1 of
+          // each lane), 2c + 1's
+          const __m256i s_lo = _mm256_shuffle_epi8(
+              row_scales[r], _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 1) + 4 * c)));
+          const __m256i s_hi = _mm256_shuffle_epi8(
+              row_scales[r], _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * c + 3) + 4 * c + 2)));
+          if constexpr (R == 1) {
+            sum[r] = _mm256_add_epi32(sum[r], scaled_isum_u8(lo, x, s_lo));
+            sum_hi[r] = _mm256_add_epi32(sum_hi[r], scaled_isum_u8(hi, x + 32, s_hi));
+          } else {
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
+                                                               scaled_isum_u8(hi, x + 32, s_hi)));
+          }
         }
       }
       const float d = fp16_at(blk);
@@ -519,13 +523,19 @@ struct Q6KKernel {
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       const uint8_t* blk = row + 210 * sb;
       if (prefetch != nullptr) ahead.upto(prefetch + 210 * (sb + 1));
-      // int16 scales 0..7 | 8..15, and each half in both lanes for the shuffles below
+      // int16 scales 0..7 | 8..15
       const __m256i sc =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      const __m256i sc_first = _mm256_permute2x128_si256(sc, sc, 0x00);
-      const __m256i sc_second = _mm256_permute2x128_si256(sc, sc, 0x11);
-      __m256i sum[R], sum_odd[R];
-      for (int r = 0; r < R; ++r) sum[r] = sum_odd[r] = _mm256_setzero_si256();
+      // each row's scales times its 32-blocks' powers of two (|.| <= 128 * 16: int16), each
+      // half (8 scales) in both 128-bit lanes for the shuffles below
+      __m256i sum[R], sum_odd[R], halves[2][R];
+      for (int r = 0; r < R; ++r) {
+        sum[r] = sum_odd[r] = _mm256_setzero_si256();
+        const __m256i scaled = _mm256_mullo_epi16(
+            sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].pow2_16 + 16 * sb)));
+        halves[0][r] = _mm256_permute2x128_si256(scaled, scaled, 0x00);
+        halves[1][r] = _mm256_permute2x128_si256(scaled, scaled, 0x11);
+      }
       for (int h = 0; h < 2; ++h) {
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
         const __m256i ql1 =
@@ -542,27 +552,18 @@ struct Q6KKernel {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
         };
-        const __m256i& half_scales = h == 0 ? sc_first : sc_second;
         // int16 lanes 0..7 (bytes 0..15) of 32-group g take scale 2 (4h + g), lanes 8..15 the
-        // next: in half_scales (scales 8h..8h+7 per lane) they are int16 2g and 2g + 1
-        auto group_scales = [&](int g) {
+        // next: in a half's scales (8h..8h+7 in each lane) they are int16 2g and 2g + 1
+        for (int g = 0; g < 4; ++g) {
           const __m256i pick = _mm256_set_m128i(
               _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 3) + 4 * g + 2)),
               _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 1) + 4 * g)));
-          return _mm256_shuffle_epi8(half_scales, pick);
-        };
-        // groups 2p, 2p + 1 are the 64 (2h + p) with one activation step: their sum is shifted
-        // once; two chains at one row (p alternates them), one a row at more (see K4Kernel)
-        for (int p = 0; p < 2; ++p) {
-          const __m256i s0 = group_scales(2 * p), s1 = group_scales(2 * p + 1);
-          __m256i* chain = R == 1 && p == 1 ? sum_odd : sum;
-          for (int r = 0; r < R; ++r) {
-            const int8_t* x = a[r].q256 + 256 * sb + 128 * h + 64 * p;
+          // two chains at one row, one a row at more (see K4Kernel); g is unrolled
+          __m256i* chain = R == 1 && g % 2 ? sum_odd : sum;
+          for (int r = 0; r < R; ++r)
             chain[r] = _mm256_add_epi32(
-                chain[r], shifted(_mm256_add_epi32(scaled_isum_u8(codes[2 * p], x, s0),
-                                                   scaled_isum_u8(codes[2 * p + 1], x + 32, s1)),
-                                  a[r].shift64 + 4 * sb + 2 * h + p));
-          }
+                chain[r], scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 128 * h + 32 * g,
+                                         _mm256_shuffle_epi8(halves[h][r], pick)));
         }
       }
       const float d = fp16_at(blk + 208);
