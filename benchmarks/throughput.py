@@ -126,6 +126,11 @@ def main(argv=None) -> dict:
                              percent(d["decode_flops"] / d["decode_s"] / peak) if d["decode_s"] > 0
                              else "n/a"] for d in decode_rows]))
     print()
+    from kvforge.kernels.tune import describe, installed, machine_line
+    print(f"kernels: {machine_line()}; fp32 projection plans per row range "
+          f"({'tuned' if installed() else 'build defaults: untuned or not fp32'}):")
+    for line in describe(list(installed().values())):
+        print("  " + line)
     print(hardware_line())
     print(f"fp32 GEMM peak (2048^3 torch.mm, best of 5, before and after): {peak / 1e9:.1f} GFLOP/s; "
           f"matmul params {shape.matmul_params / 1e6:.1f} M "

@@ -12,10 +12,16 @@ defaults and ``LINEAR_ROWS_MAX`` then decide).
 Per shape [out, in] and row point r (1 .. few-rows, then powers of two; a point serves the rows
 above the previous one), the search is staged so it takes seconds, not minutes:
 
-    1. register tiles (the build default + the ones with the fewest loads per FMA that fit
+    1. register tiles (the build default + the three with the fewest loads per FMA that fit
        the register file) and MKL (the form the Python layers use at r rows)
-    2. the best tile with x rows blocked to half of L2, and with K blocked to half of L1
-    3. the best so far with the W prefetch 0, 1 or 4 tiles ahead instead of 2
+    2. from 32 rows: the best tile with x rows blocked to half of L2, and with K blocked to
+       half of L1
+    3. up to 32 rows (memory-bound: W streams from memory): the best so far with the W
+       prefetch 0 or 4 tiles ahead instead of 2
+
+Weights are timed cold (a rotation of copies a few times L3), as a decode step streams them.
+A candidate replaces the default only when the median of its same-round time ratios beats it
+by WIN_MARGIN, so a shared machine's preemptions do not make the choice.
 
 Every candidate's product is compared with ``F.linear`` before it may win. Tile shape, row
 blocking and prefetch do not change any output's arithmetic (each output is the same sequence
@@ -44,12 +50,16 @@ from kvforge.kernels.isa import selected_isa
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVFORGE_TUNE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 MAX_TUNED_ROWS = 256        # more rows (long prefill chunks) run MKL
 TIMED_OUT_MAX = 4096        # columns a wide weight (an LM head) is timed on: a slice, same tiles
 # a candidate replaces the build's default (and MKL the tiled kernel) only when this much
 # faster: a choice within timing noise would flip from one start to the next
 WIN_MARGIN = 0.03
+# stage 2 (cache blocking) from this many rows (x fits L2 below), stage 3 (prefetch distance)
+# up to this many (more rows: compute-bound, W is reused from cache)
+BLOCKING_ROWS_MIN = 32
+PREFETCH_ROWS_MAX = 32
 STAGE_BUDGET_S = 0.02       # timed calls per stage: about this long in all, 3 to 15 per candidate
 
 
@@ -128,6 +138,7 @@ class PointChoice:
     seconds: float          # the winner's best time at rows_max rows
     mkl_seconds: float      # MKL's, for the report
     default_seconds: float  # the untuned default's (build tile, default blocking)
+    speedup: float = 1.0    # default / winner, median of same-round ratios
 
 
 @dataclass(slots=True)
@@ -207,9 +218,9 @@ def tile_candidates(ops, rows: int, packed: bool) -> list[tuple[int, int]]:
         fits = [(m, n) for m in range(2, 9) for n in range(2, 9)
                 if m * n + m + 1 <= regs + 1 and m * n >= regs // 2]
         fits.sort(key=lambda t: ((t[0] + t[1]) / (t[0] * t[1]), -t[0] * t[1]))
-        found = fits[:5]
+        found = fits[:4]
     out = [default] + [t for t in found if t != default]
-    return out[:6]
+    return out[:4]
 
 
 def _close(y: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -218,30 +229,38 @@ def _close(y: torch.Tensor, reference: torch.Tensor) -> bool:
 
 
 def _time(fns: dict[Plan, Callable[[], torch.Tensor]], reference: torch.Tensor,
-          label: str) -> dict[Plan, float]:
-    """Best time per candidate whose first (untimed) result matches ``reference``; the timed
-    calls go round-robin so background load hits every candidate alike, as many rounds as fit
-    STAGE_BUDGET_S (3 to 15). A shared machine preempts a call now and then for a whole time
-    slice, so only the best of several calls says what the code costs."""
+          label: str) -> dict[Plan, list[float]]:
+    """Per-round times of every candidate whose first (untimed) result matches ``reference``.
+    The calls go round-robin, as many rounds as fit STAGE_BUDGET_S (3 to 15), so a round's
+    calls share the machine's state of the moment."""
     ok = {}
+    t0 = time.perf_counter()
     for plan, fn in fns.items():
         if _close(fn(), reference):
             ok[plan] = fn
         else:
             logger.warning("linear plan %s gives wrong results at %s; not used", plan.label(),
                            label)
-    best = {p: float("inf") for p in ok}
-    t0 = time.perf_counter()
-    for p, fn in ok.items():
-        fn()
-    one_round = time.perf_counter() - t0
+    one_round = time.perf_counter() - t0        # the checks: a round (with first-call costs)
     rounds = max(3, min(15, int(STAGE_BUDGET_S / max(one_round, 1e-9))))
+    times: dict[Plan, list[float]] = {p: [] for p in ok}
     for _ in range(rounds):
         for p, fn in ok.items():
             t0 = time.perf_counter()
             fn()
-            best[p] = min(best[p], time.perf_counter() - t0)
-    return best
+            times[p].append(time.perf_counter() - t0)
+    return times
+
+
+def _ratios(times: dict[Plan, list[float]], base: Plan) -> dict[Plan, float]:
+    """Each candidate's median over rounds of its time / ``base``'s time in the same round: a
+    shared machine preempts a call now and then for a whole time slice, which spoils that
+    round's ratio, not the median (a best-of-N time is spoilt when most calls are hit)."""
+    out = {}
+    for p, ts in times.items():
+        r = sorted(t / b for t, b in zip(ts, times[base]))
+        out[p] = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+    return out
 
 
 def tune_point(ops, rows: int, weights: _Rotation, packed_out: int,
@@ -256,17 +275,21 @@ def tune_point(ops, rows: int, weights: _Rotation, packed_out: int,
     label = f"{rows} x {in_features} @ {dense.shape[0]} x {in_features}^T"
 
     def stage(plans):       # every copy holds the same values: any one checks against reference
-        return _time({p: (lambda p=p: p.run(ops, x, weights.next(), packed_out)) for p in plans},
-                     reference, label)
+        times = _time({p: (lambda p=p: p.run(ops, x, weights.next(), packed_out))
+                       for p in dict.fromkeys([default] + plans)}, reference, label)
+        if default not in times:
+            raise RuntimeError(f"the default linear kernel gives wrong results at {label}")
+        best_time.update({p: min(ts) for p, ts in times.items()})
+        ratio.update(_ratios(times, default))
 
     mkl = Plan("mkl")
     tiles = [Plan("tiled", m, n) for m, n in tile_candidates(ops, rows, packed)]
-    times = stage(tiles + ([] if packed else [mkl]))
     default = tiles[0]
-    if default not in times:
-        raise RuntimeError(f"the default linear kernel gives wrong results at {label}")
-    best = min((p for p in times if p.kind == "tiled"), key=times.get)
-    if not packed:
+    ratio: dict[Plan, float] = {}          # time / the default's, median of same-round pairs
+    best_time: dict[Plan, float] = {}
+    stage(tiles + ([] if packed else [mkl]))
+    best = min((p for p in ratio if p.kind == "tiled"), key=ratio.get)
+    if not packed and rows >= BLOCKING_ROWS_MIN:
         variants = []
         block_m = int(ops.linear_blocked_rows(rows, in_features, best.tile_m, best.tile_n))
         if block_m < rows:
@@ -276,16 +299,18 @@ def tune_point(ops, rows: int, weights: _Rotation, packed_out: int,
         if block_k < in_features:
             variants.append(Plan("tiled", best.tile_m, best.tile_n, block_k=block_k))
         if variants:
-            times.update(stage(variants + [best]))
-            best = min([best] + [v for v in variants if v in times], key=times.get)
+            stage(variants + [best])
+            best = min([best] + [v for v in variants if v in ratio], key=ratio.get)
+    if not packed and rows <= PREFETCH_ROWS_MAX:
         prefetch = [Plan("tiled", best.tile_m, best.tile_n, best.block_k, best.block_m, d)
                     for d in (0, 4)]
-        times.update(stage(prefetch + [best]))
-        best = min([best] + [p for p in prefetch if p in times], key=times.get)
-    if times[best] > times[default] * (1 - WIN_MARGIN):
+        stage(prefetch + [best])
+        best = min([best] + [p for p in prefetch if p in ratio], key=ratio.get)
+    if ratio[best] > 1 - WIN_MARGIN:
         best = default
-    winner = mkl if times.get(mkl, float("inf")) < times[best] * (1 - WIN_MARGIN) else best
-    return PointChoice(rows, winner, times[winner], times.get(mkl, float("nan")), times[default])
+    winner = mkl if ratio.get(mkl, float("inf")) < ratio[best] * (1 - WIN_MARGIN) else best
+    return PointChoice(rows, winner, best_time[winner], best_time.get(mkl, float("nan")),
+                       best_time[default], 1.0 / ratio[winner])
 
 
 def cache_sizes() -> dict[str, int]:
@@ -396,14 +421,16 @@ def install(tunings: list[ShapeTuning]) -> None:
 def _to_json(t: ShapeTuning) -> dict:
     return {"in": t.in_features, "out": t.out_features, "packed": t.packed,
             "points": [{"rows_max": c.rows_max, "plan": asdict(c.plan), "seconds": c.seconds,
-                        "mkl_seconds": c.mkl_seconds, "default_seconds": c.default_seconds}
+                        "mkl_seconds": c.mkl_seconds, "default_seconds": c.default_seconds,
+                        "speedup": c.speedup}
                        for c in t.points]}
 
 
 def _from_json(d: dict) -> ShapeTuning:
     return ShapeTuning(int(d["in"]), int(d["out"]), bool(d["packed"]),
                        [PointChoice(int(c["rows_max"]), Plan(**c["plan"]), float(c["seconds"]),
-                                    float(c["mkl_seconds"]), float(c["default_seconds"]))
+                                    float(c["mkl_seconds"]), float(c["default_seconds"]),
+                                    float(c.get("speedup", 1.0)))
                         for c in d["points"]])
 
 
@@ -522,8 +549,7 @@ def describe(tunings: list[ShapeTuning]) -> list[str]:
         parts, lo = [], 1
         for c in t.points:
             rows = f"{lo}" if lo == c.rows_max else f"{lo}-{c.rows_max}"
-            gain = c.default_seconds / c.seconds if c.seconds > 0 else float("nan")
-            parts.append(f"{rows}: {c.plan.label()} ({gain:.2f}x)")
+            parts.append(f"{rows}: {c.plan.label()} ({c.speedup:.2f}x)")
             lo = c.rows_max + 1
         parts.append(f">{t.points[-1].rows_max}: MKL")
         lines.append(f"{t.key}: " + ", ".join(parts))
