@@ -252,3 +252,20 @@ def test_greedy_tokens_do_not_depend_on_the_plan(kernel_module, tiny_model_facto
         tune.install([tune.ShapeTuning(i, o, p, [tune.PointChoice(256, plan, 1.0, 1.0, 1.0)])
                       for i, o, p, _ in shapes])
         assert tokens() == expected, plan.label()
+
+
+def test_tune_command(kernel_module, tiny_model_factory, tmp_path, monkeypatch, capsys):
+    """``kvforge tune MODEL`` tunes the model's projection shapes again and prints the choice
+    per row range; bad limits are clear errors."""
+    from kvforge.cli import main
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(tune.ENV_VAR, "0")          # the command tunes regardless (forced)
+    path, _ = tiny_model_factory("llama", num_hidden_layers=2)
+    assert main(["tune", path, "--max-num-seqs", "2", "--max-num-batched-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "vector registers" in out and "L1d" in out
+    assert "49152x64: 1: tile" in out and "2: tile" in out and ">2: MKL" in out   # the head
+    assert "128x64" in out or "256x64" in out                                      # gate|up
+    assert tune.cache_path().exists()
+    assert main(["tune", path, "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs must be >= 1, got 0" in capsys.readouterr().err
