@@ -68,9 +68,11 @@ def decode_heavy(system, requests_1: list[BenchRequest], requests_n: list[BenchR
     if seconds <= 0:
         print(f"WARNING: {system.name} decode-heavy run was not slower than its 1-token run "
               f"(timing noise); raise --decode-output-len or use a quieter machine")
+    prompt_tokens = sum(r.prompt_len for r in requests_1)
     return {"system": system.name, "batch": len(requests_n), "decode_s": seconds,
             "decode_tokens": tokens, "decode_flops": flops,
-            "decode_tok_per_s": tokens / seconds if seconds > 0 else None}
+            "decode_tok_per_s": tokens / seconds if seconds > 0 else None,
+            "prefill_s": short.elapsed_s, "prefill_tok_per_s": prompt_tokens / short.elapsed_s}
 
 
 def main(argv=None) -> dict:
@@ -121,11 +123,16 @@ def main(argv=None) -> dict:
         print()
         print(f"decode-heavy: batch {args.decode_batch}, prompt {args.decode_prompt_len}, "
               f"{args.decode_output_len} output tokens (time of 1-token run subtracted)")
-        print(format_table(["system", "decode tok/s", "decode MFU"],
+        print(format_table(["system", "decode tok/s", "decode MFU", "prefill tok/s (1-token run)"],
                            [[d["system"], d["decode_tok_per_s"] or "n/a",
                              percent(d["decode_flops"] / d["decode_s"] / peak) if d["decode_s"] > 0
-                             else "n/a"] for d in decode_rows]))
+                             else "n/a", d["prefill_tok_per_s"]] for d in decode_rows]))
     print()
+    from kvforge.kernels.tune import describe, installed, machine_line
+    print(f"kernels: {machine_line()}; fp32 projection plans per row range "
+          f"({'tuned' if installed() else 'build defaults: untuned or not fp32'}):")
+    for line in describe(list(installed().values())):
+        print("  " + line)
     print(hardware_line())
     print(f"fp32 GEMM peak (2048^3 torch.mm, best of 5, before and after): {peak / 1e9:.1f} GFLOP/s; "
           f"matmul params {shape.matmul_params / 1e6:.1f} M "

@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     add_calibrate_command(sub)
     from kvforge.offload.commands import add_offload_commands
     add_offload_commands(sub)
+    from kvforge.kernels.tune_command import add_tune_command
+    add_tune_command(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

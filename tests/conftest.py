@@ -6,6 +6,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# engines run the build's default kernel plans unless a test tunes (tests/kernels/
+# test_linear_tune.py): no timing in the suite, no writes to ~/.cache/kvforge/tune
+os.environ.setdefault("KVFORGE_TUNE", "0")
 
 import pytest
 import torch

@@ -69,6 +69,11 @@ class ModelRunner:
         # packing its weights is not the first request's wait
         if hasattr(self.model, "decode_stack"):
             self.model.decode_stack()
+        if self.device.type == "cpu":     # the fp32 projections' kernels, timed on this CPU
+            from kvforge.kernels.tune import tune_model
+            tune_model(self.model, max_rows=max(config.max_num_seqs,
+                                                config.max_num_batched_tokens),
+                       head_rows=config.max_num_seqs)
         if config.activation_sparsity > 0:          # sparse decode projections (kvforge/sparsity)
             from kvforge.sparsity.engine import enable_activation_sparsity
             enable_activation_sparsity(self.model, source, config)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels import cpu_kernels
+from kvforge.kernels.tune import tuned_kernel_rows
 
 
 _FP32 = torch.float32
@@ -107,9 +108,11 @@ def single_pass_rows(device: torch.device, dtype: torch.dtype) -> int | None:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x [M, K] @ weight[N, K]^T`` by the compiled register-tiled kernel for
+    """``x [M, K] @ weight[N, K]^T`` by the compiled register-tiled kernel where it is the
+    faster one: the machine's tuned choice for this shape and M (kernels/tune.py), untuned
     LINEAR_ROWS_MIN <= M <= LINEAR_ROWS_MAX; None when it does not apply (caller uses MKL)."""
-    if not LINEAR_ROWS_MIN <= x.shape[0] <= LINEAR_ROWS_MAX:
+    tuned = tuned_kernel_rows(x.shape[1], weight.shape[0], x.shape[0])
+    if tuned is False or (tuned is None and not LINEAR_ROWS_MIN <= x.shape[0] <= LINEAR_ROWS_MAX):
         return None
     ops = _kernel_for(x, weight)
     if ops is None or x.stride(1) != 1 or not weight.is_contiguous():

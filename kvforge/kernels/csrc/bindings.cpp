@@ -11,6 +11,7 @@
 #include "gguf_dot.cpp"
 #include "gguf_weight.cpp"
 #include "linear.cpp"
+#include "linear_plan.cpp"
 #include "quest.cpp"
 #include "sparse_gemv.cpp"
 #include "decode_stack.cpp"   // last: its projections run the kernels above
@@ -52,4 +53,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   kvforge::bind_gguf_weight(m);
   kvforge::bind_sparse_gemv(m);
   kvforge::bind_decode_stack(m);
+  kvforge::bind_linear_plan(m);
 }

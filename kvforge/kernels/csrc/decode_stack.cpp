@@ -91,6 +91,13 @@ struct Projection {
     return packed.defined() ? packed_out : weight.size(0);
   }
   bool is_module() const { return module.ptr() != nullptr; }
+  // whether a row-major weight runs our kernel at `rows` rows outside a team: the tuned
+  // choice for its shape (kernels/tune.py), else kLinearRowsMin..kLinearRowsMax
+  bool kernel_rows(int64_t rows) const {
+    const LinearPlan tuned = tuned_linear_plan(in_features(), out_features(), rows);
+    if (tuned.tile_m > 0 || tuned.use_mkl) return !tuned.use_mkl;
+    return rows >= kLinearRowsMin && rows <= kLinearRowsMax;
+  }
 
   // row `row` of the weight in fp32 (a token embedding)
   void weight_row(int64_t row, float* out) const {
@@ -120,7 +127,7 @@ struct Projection {
       y = at::empty({rows, packed_out}, x.options());
       linear_packed(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(),
                     rows, x.size(1), packed_out);
-    } else if (rows >= kLinearRowsMin && rows <= kLinearRowsMax) {
+    } else if (kernel_rows(rows)) {
       y = at::empty({rows, weight.size(0)}, x.options());
       linear_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), y.data_ptr<float>(),
                   rows, x.size(1), weight.size(0));

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
+#include <mutex>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -143,12 +145,36 @@ void linear_packed(const float* x, int64_t xs, const float* packed, float* y, in
 void packed_row(const float* packed, int64_t in, int64_t row, float* out);
 // torch.argmax of one row: the first index of the maximum, the first NaN if any (argmax.cpp)
 int64_t argmax_row(const float* x, int64_t n);
+// Data cache sizes per core in bytes (sysconf), read once.
+struct CacheSizes {
+  int64_t l1d, l2;
+};
+CacheSizes detected_cache_sizes();
+// How the tiled kernel runs one product (linear_plan.cpp): the register tile, the cache
+// blocking, how far ahead row-major tiles prefetch W, or MKL instead (use_mkl: callers outside
+// a team run at::linear; a team still runs the tile plan, see resolve_linear_plan).
+struct LinearPlan {
+  int tile_m = 0, tile_n = 0;          // rows of x, rows of W per register tile (1..8)
+  int64_t block_k = 0, block_m = 0;    // K per pass, x rows per L2 block
+  int prefetch_tiles = -1;             // row-major: prefetch the W tile this many tiles on
+  bool use_mkl = false;
+};
+// The plan tuned for [rows, in] @ [out, in]^T (set_linear_plans), or an empty plan (all zero:
+// the defaults) when there is none for that shape and row count.
+LinearPlan tuned_linear_plan(int64_t in, int64_t out, int64_t rows);
+// `plan` with every unset field (0 / -1) given the default for rows x in (the build's tile for
+// the rows, blocking from the detected cache sizes) and every field clamped to what the
+// kernel can run; throws for a tile outside 1..8.
+LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool packed);
 // One thread's part of y = x @ W^T (+ bias, or nullptr) inside a team's region, W packed or
 // row-major (any rows for packed, kLinearRowsMin..kLinearRowsMax row-major): the columns in
 // balanced shares (Team::for_shares, `claims`: team-size zeroed ShareClaims, used once).
 void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
                  float* y, int64_t rows, int64_t in, int64_t out, const Team& team,
                  ShareClaim* claims);
+void linear_team_plan(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
+                      float* y, int64_t rows, int64_t in, int64_t out, const LinearPlan& plan,
+                      const Team& team, ShareClaim* claims);
 // throws unless `packed` is an fp32 weight [out, in] in that layout
 void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out);
 

@@ -51,14 +51,10 @@ namespace {
 // those builds do not pack (kPackingPays; the kernel still runs a packed weight it is given).
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 4, kPackedTileN = 8;
-constexpr bool kPackingPays = true;
-constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
+constexpr bool kPackingPays = true;   // tile widths: linear_plan.cpp
 #else
 typedef float vreg __attribute__((vector_size(32), aligned(4), may_alias));
-constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 2, kPackedTileN = 8;
 constexpr bool kPackingPays = false;
-constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
 #endif
 typedef float vec8_ __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4_ __attribute__((vector_size(16), aligned(4), may_alias));
@@ -180,37 +176,32 @@ struct TileTable {                        // fn[MR - 1][NR - 1]: edge tiles of a
 constexpr TileTable<false> kTiles{};
 constexpr TileTable<true> kPackedTiles{};
 
-// K is split only when a W tile would not stay in L2 (every split adds a pass of hsums)
-constexpr int64_t kBlockK = 4096;
-
-struct TileShape {
-  int m, n;
-};
-inline TileShape tile_shape(int64_t rows, bool packed) {
-  if (packed)   // one row alone takes a whole group with either register file
-    return rows == 1 ? TileShape{1, kPackRows}
-                     : TileShape{static_cast<int>(std::min<int64_t>(rows, kPackedTileM)),
-                                 kPackedTileN};
-  if (rows <= kFewRowsMax) return {static_cast<int>(rows), kFewRowsN[rows]};
-  return {kTileM, kTileN};
-}
-
 // columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width; tiles up to
-// column ahead_end (>= n1: this thread reads on there next) are prefetched
+// column ahead_end (>= n1: this thread reads on there next) are prefetched. Loop nest (the
+// plan's blocking, linear_plan.cpp):
+//
+//   for each K block of plan.block_k:             W tile [tile_n x block_k] stays in L1/L2
+//     for each row block of plan.block_m:         x block [block_m x block_k] stays in L2
+//       for each W tile n (tile_n rows of W):     the first row tile prefetches tile n + P
+//         for each row tile m in the row block:   tile<tile_m, tile_n>: y[m.., n..] (+)= ...
 void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int64_t rows,
-                       int64_t in, int64_t out, int64_t n0, int64_t n1, TileShape shape,
+                       int64_t in, int64_t out, int64_t n0, int64_t n1, const LinearPlan& plan,
                        int64_t ahead_end) {
-  for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
-    const int64_t k1 = std::min(in, k0 + kBlockK);
-    for (int64_t n = n0; n < n1; n += shape.n) {
-      const int nr = static_cast<int>(std::min<int64_t>(shape.n, n1 - n));
-      for (int64_t m = 0; m < rows; m += shape.m) {
-        const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
-        // the W tile after next (see the header): two tiles of distance
-        const float* ahead =
-            (m == 0 && n + 3 * shape.n <= ahead_end) ? w + (n + 2 * shape.n) * in : nullptr;
-        kTiles.fn[mr - 1][nr - 1](x + m * xs, xs, w + n * in, in, y + m * out + n, out, k0, k1,
-                                  k0 > 0, ahead);
+  const int64_t ahead = plan.prefetch_tiles;
+  for (int64_t k0 = 0; k0 < in; k0 += plan.block_k) {
+    const int64_t k1 = std::min(in, k0 + plan.block_k);
+    for (int64_t m0 = 0; m0 < rows; m0 += plan.block_m) {
+      const int64_t m1 = std::min(rows, m0 + plan.block_m);
+      for (int64_t n = n0; n < n1; n += plan.tile_n) {
+        const int nr = static_cast<int>(std::min<int64_t>(plan.tile_n, n1 - n));
+        // the W tile `ahead` tiles on (see the header), while it is this thread's to read
+        const float* next = (ahead > 0 && n + (ahead + 1) * plan.tile_n <= ahead_end)
+                                ? w + (n + ahead * plan.tile_n) * in : nullptr;
+        for (int64_t m = m0; m < m1; m += plan.tile_m) {
+          const int mr = static_cast<int>(std::min<int64_t>(plan.tile_m, m1 - m));
+          kTiles.fn[mr - 1][nr - 1](x + m * xs, xs, w + n * in, in, y + m * out + n, out, k0,
+                                    k1, k0 > 0, m == m0 ? next : nullptr);
+        }
       }
     }
   }
@@ -225,18 +216,18 @@ constexpr int64_t kPackedAhead = 4096 / 4;
 // groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
 // in tiles of shape.n of its rows; prefetches run on up to group ahead_end (>= g1)
 void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
-                         int64_t in, int64_t out, int64_t g0, int64_t g1, TileShape shape,
+                         int64_t in, int64_t out, int64_t g0, int64_t g1, const LinearPlan& shape,
                          int64_t ahead_end) {
   const int64_t group_floats = kPackRows * in;
-  for (int64_t k0 = 0; k0 < in; k0 += kBlockK) {
-    const int64_t k1 = std::min(in, k0 + kBlockK);
+  for (int64_t k0 = 0; k0 < in; k0 += shape.block_k) {
+    const int64_t k1 = std::min(in, k0 + shape.block_k);
     for (int64_t g = g0; g < g1; ++g) {
       const float* group = p + g * group_floats;
       const int64_t valid = std::min<int64_t>(kPackRows, out - g * kPackRows);
-      for (int64_t j = 0; j < valid; j += shape.n) {
-        const int nr = static_cast<int>(std::min<int64_t>(shape.n, valid - j));
-        for (int64_t m = 0; m < rows; m += shape.m) {
-          const int mr = static_cast<int>(std::min<int64_t>(shape.m, rows - m));
+      for (int64_t j = 0; j < valid; j += shape.tile_n) {
+        const int nr = static_cast<int>(std::min<int64_t>(shape.tile_n, valid - j));
+        for (int64_t m = 0; m < rows; m += shape.tile_m) {
+          const int mr = static_cast<int>(std::min<int64_t>(shape.tile_m, rows - m));
           // every tile of the first row tile prefetches its own rows' lines, so memory
           // streams through all of a group's passes (a narrow tile reads part of each k step)
           const float* ahead = (m == 0 && g + 1 < ahead_end) ? group + j * kLanes + kPackedAhead
@@ -265,16 +256,24 @@ constexpr int64_t kClaimBytes = 256 * 1024;
 void linear_team(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
                  float* y, int64_t rows, int64_t in, int64_t out, const Team& team,
                  ShareClaim* claims) {
-  const TileShape shape = tile_shape(rows, packed);
-  const int64_t unit_rows = packed ? kPackRows : shape.n;     // a packed group, or a tile
+  linear_team_plan(x, xs, w, packed, bias, y, rows, in, out,
+                   resolve_linear_plan(tuned_linear_plan(in, out, rows), rows, in, packed), team,
+                   claims);
+}
+
+void linear_team_plan(const float* x, int64_t xs, const float* w, bool packed, const float* bias,
+                      float* y, int64_t rows, int64_t in, int64_t out, const LinearPlan& shape,
+                      const Team& team, ShareClaim* claims) {
+  const int64_t unit_rows = packed ? kPackRows : shape.tile_n;   // a packed group, or a tile
   const int64_t units = (out + unit_rows - 1) / unit_rows;
   const int64_t chunk = std::max<int64_t>(1, kClaimBytes / (unit_rows * in * 4));
   team.for_shares(units, chunk, claims, [&](int64_t u0, int64_t u1, int64_t ahead_end) {
     if (packed)
       linear_packed_range(x, xs, w, y, rows, in, out, u0, u1, shape, ahead_end);
     else
-      linear_rows_range(x, xs, w, y, rows, in, out, u0 * shape.n, std::min(out, u1 * shape.n),
-                        shape, std::min(out, ahead_end * shape.n));
+      linear_rows_range(x, xs, w, y, rows, in, out, u0 * shape.tile_n,
+                        std::min(out, u1 * shape.tile_n), shape,
+                        std::min(out, ahead_end * shape.tile_n));
     if (bias != nullptr) {
       const int64_t c0 = u0 * unit_rows, c1 = std::min(out, u1 * unit_rows);
       for (int64_t r = 0; r < rows; ++r)
@@ -286,11 +285,11 @@ void linear_team(const float* x, int64_t xs, const float* w, bool packed, const 
 // Standalone (the LM head, the Python layers): a team of its own when there is enough W (less
 // than ~16K floats per thread runs on the calling thread alone, a team of one).
 void linear_standalone(const float* x, int64_t xs, const float* w, bool packed, float* y,
-                       int64_t rows, int64_t in, int64_t out) {
-  const int64_t unit_rows = packed ? kPackRows : tile_shape(rows, false).n;
+                       int64_t rows, int64_t in, int64_t out, const LinearPlan& plan) {
+  const int64_t unit_rows = packed ? kPackRows : plan.tile_n;
   std::vector<ShareClaim> claims(at::get_num_threads());
   const auto run = [&](const Team& team) {
-    linear_team(x, xs, w, packed, nullptr, y, rows, in, out, team, claims.data());
+    linear_team_plan(x, xs, w, packed, nullptr, y, rows, in, out, plan, team, claims.data());
   };
   if ((out + unit_rows - 1) / unit_rows <= linear_grain(in, unit_rows)) {
     TeamSync alone;
@@ -302,12 +301,14 @@ void linear_standalone(const float* x, int64_t xs, const float* w, bool packed, 
 
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out) {
-  linear_standalone(x, xs, w, false, y, rows, in, out);
+  linear_standalone(x, xs, w, false, y, rows, in, out,
+                    resolve_linear_plan(tuned_linear_plan(in, out, rows), rows, in, false));
 }
 
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out) {
-  linear_standalone(x, xs, packed, true, y, rows, in, out);
+  linear_standalone(x, xs, packed, true, y, rows, in, out,
+                    resolve_linear_plan(tuned_linear_plan(in, out, rows), rows, in, true));
 }
 
 at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight) {
