@@ -87,6 +87,8 @@ class _History:
     alpha_ngram: float = _ALPHA_PRIOR    # ... of n-gram guesses
     skip_steps: int = 0
     backoff: int = 4
+    draft_skip_steps: int = 0            # the draft model alone paused (n-gram guesses go on)
+    draft_backoff: int = 4
     source: str = ""                     # the proposer of the step in flight: ngram | draft
 
 
@@ -157,18 +159,28 @@ class SpecDecoder:
                 else:
                     req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * k, "draft"
                 continue
-            ngram_k, ngram_gain = (self.cost.best(hist.alpha_ngram, len(guess), len(decoding), 0.0)
+            batch = len(decoding)
+            ngram_k, ngram_gain = (self.cost.best(hist.alpha_ngram, len(guess), batch, 0.0)
                                    if guess else (0, 1.0))
-            draft_k, draft_gain = (self.cost.best(hist.alpha, k, len(decoding), fraction)
-                                   if self.model_drafts else (0, 1.0))
+            draft_k, draft_gain = 0, 1.0
+            if self.model_drafts and hist.draft_skip_steps > 0:
+                hist.draft_skip_steps -= 1
+            elif self.model_drafts:
+                draft_k, draft_gain = self.cost.best(hist.alpha, k, batch, fraction)
+                if not draft_k and self.cost.best_k(1.0, k, batch, fraction):
+                    # its acceptance, not its price, is what does not pay: pause the draft
+                    # model for this request (n-gram guesses go on), then probe again
+                    hist.draft_skip_steps = hist.draft_backoff
+                    hist.draft_backoff = min(hist.draft_backoff * 2, _MAX_BACKOFF)
+                    hist.alpha = _ALPHA_PRIOR
             if ngram_k and ngram_gain >= draft_gain:
                 req.spec_token_ids, hist.source = guess[:ngram_k], "ngram"
             elif draft_k:
                 req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * draft_k, "draft"
-            elif guess or self.model_drafts:
-                # neither proposer's acceptance pays now: pause, then probe from the prior
+            elif guess and self.cost.best_k(1.0, len(guess), batch, 0.0):
+                # the guesses' acceptance does not pay now: pause, then probe from the prior
                 self._pause(hist)
-                hist.alpha = hist.alpha_ngram = _ALPHA_PRIOR
+                hist.alpha_ngram = _ALPHA_PRIOR
         for rid in [rid for rid in self._history if rid not in live_ids]:
             del self._history[rid]
 

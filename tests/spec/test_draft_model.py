@@ -146,3 +146,16 @@ def test_a_draft_model_needs_recompute_preemption():
     with pytest.raises(ValueError, match="preemption_mode 'recompute', got 'swap'"):
         EngineConfig(speculative_method="draft", speculative_draft_model="x",
                      preemption_mode="swap")
+
+
+def test_cli_flags_reach_the_engine_config():
+    from tests.helpers.cli import engine_config_from_flags
+    config = engine_config_from_flags([
+        "--speculative-method", "draft", "--speculative-draft-model", "qwen2.5-coder-0.5b-instruct",
+        "--no-speculative-draft-ngram", "--speculative-draft-min-confidence", "0.3"])
+    assert (config.speculative_draft_model, config.speculative_draft_ngram,
+            config.speculative_draft_min_confidence) == ("qwen2.5-coder-0.5b-instruct", False, 0.3)
+    assert engine_config_from_flags(["--speculative-method", "draft"]).speculative_draft_ngram
+    from kvforge.config import EngineConfig
+    with pytest.raises(ValueError, match="speculative_draft_min_confidence must be in"):
+        EngineConfig(speculative_draft_min_confidence=1.5)

@@ -116,3 +116,25 @@ def test_accounting_predicts_the_speedup_of_the_steps_run():
     assert spec.stats.predicted_cost == pytest.approx(2.2)
     assert spec.stats.plain_cost == pytest.approx(3.0)
     assert spec.stats.predicted_speedup == pytest.approx(3.0 / 2.2)
+
+
+class Switch(Repeat):
+    """No guess until ``on`` is set, then Repeat's."""
+    on = False
+
+    def propose(self, token_ids, max_tokens):
+        return super().propose(token_ids, max_tokens) if self.on else []
+
+
+def test_a_paused_draft_model_does_not_stop_ngram_guesses():
+    proposer = Switch()
+    spec = SpecDecoder(4, proposer, 1000, model_drafts=True, draft_stats=DraftStats(),
+                       cost=SpecCostModel(GGUF_ROWS, ForwardCost(fixed=0.05, per_row=0.05)))
+    reqs = decoding(1)
+    proposals = [_step(spec, reqs, accepted=0)["r0"]]
+    while proposals[-1] and len(proposals) < 10:
+        proposals.append(_step(spec, reqs, accepted=0)["r0"])
+    assert proposals[0] and proposals[0][0] == DRAFT_PLACEHOLDER
+    assert not proposals[-1], f"rejected drafts must pause the draft model: {proposals}"
+    proposer.on = True                  # the very next step, the draft still paused
+    assert _step(spec, reqs, accepted=0)["r0"][0] == 7, "the guess goes on while it pauses"
