@@ -44,8 +44,9 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
                                         min_confidence=config.speculative_draft_min_confidence)
     # a draft model's tokens cost forwards of their own and GGUF verification rows are not
     # free: k per request from the measured costs (spec/cost.py), no fixed row cap
-    cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches),
-                     _timed_forward(runner, runner.draft_model, runner.draft_kv_caches))
+    cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches, logits_rows=None),
+                     _timed_forward(runner, runner.draft_model, runner.draft_kv_caches,
+                                    logits_rows=1))
     logger.info("speculation costs (single-row target forwards): target %.2f + %.2f/row, "
                 "draft %.2f + %.2f/row", cost.target.fixed, cost.target.per_row,
                 cost.draft.fixed, cost.draft.per_row)
@@ -54,10 +55,11 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
                        model_drafts=True, draft_stats=runner.drafter.stats)
 
 
-def _timed_forward(runner, model, kv_caches):
+def _timed_forward(runner, model, kv_caches, logits_rows: int | None):
     """forward(rows): one sequence of ``rows`` new tokens after 64 cached ones, in blocks of the
     pool that nothing holds yet (the engine has not started; the slots are rewritten before
-    any request reads them)."""
+    any request reads them), then the LM head over the last ``logits_rows`` rows (None: all of
+    them, as verification does)."""
     from kvforge.attention.metadata import AttentionMetadata
     context = 64
     needed = (context + 16) // runner.block_size + 1
@@ -69,7 +71,7 @@ def _timed_forward(runner, model, kv_caches):
                                        runner.device)
         ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)
         hidden = model(ids, meta.positions(), kv_caches, meta)
-        return model.compute_logits(hidden[-1:])
+        return model.compute_logits(hidden if logits_rows is None else hidden[-logits_rows:])
     return forward
 
 
