@@ -34,8 +34,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# a llama-architecture file with experts is Mixtral (llama.cpp writes Mixtral as "llama")
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # llama.cpp's convert_hf_to_gguf permutes q/k rows only for these (they use its "normal" rope;
 # qwen2 uses the NEOX rope layout and is stored unpermuted).
 _PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
@@ -51,7 +54,20 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # mixture of experts: the router, every expert stacked in one 3-D tensor [E, out, in]
+    # (split per expert by split_experts), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# an expert tensor's HF name before split_experts: model.layers.N.mlp.experts.<proj>.weight
+_STACKED_EXPERTS = re.compile(r"^(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                              r"\.weight$")
 # architectures whose stems differ from (or add to) the table above
 _ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {
@@ -163,12 +179,44 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         config["sliding_window"] = int(key("attention.sliding_window"))
     if arch == "gemma3":
         config.update(_gemma3_config(key, config))
+    if key("expert_count"):
+        config.update(_moe_config(arch, key))
     for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def _moe_config(arch: str, key) -> dict[str, Any]:
+    """The expert keys of a mixture-of-experts file. llama.cpp routes Qwen2-MoE without
+    renormalising the top-k weights (HF: norm_topk_prob false) and Mixtral with it."""
+    experts, used = int(key("expert_count")), int(key("expert_used_count", 0))
+    if arch == "qwen2moe":
+        return {"num_experts": experts, "num_experts_per_tok": used,
+                "moe_intermediate_size": int(key("expert_feed_forward_length", 0)),
+                "shared_expert_intermediate_size":
+                    int(key("expert_shared_feed_forward_length", 0)),
+                "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "llama":
+        hf_arch, model_type = _MIXTRAL
+        return {"architectures": [hf_arch], "model_type": model_type,
+                "num_local_experts": experts, "num_experts_per_tok": used}
+    raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported "
+                     f"(mixture-of-experts files: qwen2moe, llama/Mixtral)")
+
+
+def split_experts(name: str, tensor) -> Iterator[tuple[str, Any]]:
+    """One stacked expert tensor ``...mlp.experts.gate_proj.weight`` [E, out, in] as E per-expert
+    ``...mlp.experts.e.gate_proj.weight`` [out, in] (views); any other tensor as it is.
+    ``tensor`` is anything indexable along its first dimension (a tensor, raw block rows)."""
+    m = _STACKED_EXPERTS.match(name)
+    if m is None:
+        yield name, tensor
+        return
+    for e in range(tensor.shape[0]):
+        yield f"{m['moe']}.{e}.{m['proj']}.weight", tensor[e]
 
 
 def _gemma3_config(key, config: dict[str, Any]) -> dict[str, Any]:
@@ -213,9 +261,12 @@ def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
 
 def to_hf_values(arch: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A dequantized tensor's values in HF's convention: Gemma's norm weights minus the 1 that
-    llama.cpp added (in fp32: a half-precision norm would round the shift)."""
+    llama.cpp added (in fp32: a half-precision norm would round the shift); Qwen2-MoE's shared
+    expert gate back to its [1, H] shape."""
     if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
         return tensor.float() - 1.0
+    if hf_name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
+        return tensor.unsqueeze(0)          # llama.cpp stores Qwen2-MoE's [1, H] as a vector
     return tensor
 
 
@@ -290,7 +341,7 @@ def iter_gguf_weights(reader: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         n_head = qk_permuted_heads(arch, name, config)
         if n_head is not None:
             tensor = unpermute_qk_rows(tensor, n_head)
-        yield name, tensor
+        yield from split_experts(name, tensor)
 
 
 RawTensor = tuple[str, str, tuple[int, ...], np.ndarray]   # HF name, ggml type, shape, bytes
@@ -316,15 +367,17 @@ def iter_raw_tensors(path: str | GGUFFile) -> Iterator[RawTensor]:
 
 def raw_rows(t: gguf.ReaderTensor) -> torch.Tensor:
     """A 2-D tensor's bytes as uint8 [rows, row_bytes] in the file's own encoding, over the
-    reader's memory map: no copy, no dequantization (the pages are read when first used).
+    reader's memory map: no copy, no dequantization (the pages are read when first used); a 3-D
+    tensor (stacked experts) as [E, rows, row_bytes].
 
     The map is read-only; torch warns that it cannot protect such memory from writes, and nothing
     here writes to it, so that warning is silenced.
     """
     shape = _torch_shape(t)
-    if len(shape) != 2:
-        raise ValueError(f"tensor {t.name!r} has shape {shape}; raw rows need a 2-D tensor")
-    raw = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
+    if len(shape) not in (2, 3):
+        raise ValueError(f"tensor {t.name!r} has shape {shape}; raw rows need a 2-D tensor "
+                         f"(or 3-D stacked experts)")
+    raw = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(raw)
@@ -336,5 +389,5 @@ def gguf_chat_template(reader: GGUFFile) -> str | None:
 
 __all__ = ["GGMLQuantizationType", "open_gguf", "gguf_to_hf_config", "hf_tensor_name",
            "to_hf_values", "unpermute_qk_rows", "tensor_to_torch", "iter_gguf_weights",
-           "iter_raw_tensors", "raw_rows",
+           "iter_raw_tensors", "raw_rows", "split_experts",
            "gguf_chat_template", "TESTED_TYPES"]

@@ -11,6 +11,7 @@ at load and is the reference.
     file tensor (mmap)                      layer
     blk.N.attn_q / attn_k / attn_v   ->  qkv_proj: three shards, one raw tensor each
     blk.N.ffn_gate / ffn_up          ->  gate_up_proj: two shards
+    blk.N.ffn_{gate,up,down}_exps    ->  each expert's rows of the stacked tensor (gguf_experts.py)
     token_embd (tied: also the head) ->  GGUFEmbedding + lm_head, one raw tensor for both
 
 Shards keep their own type (Q4_K_M files mix Q4_K and Q6_K inside a layer). q_proj / k_proj
@@ -179,7 +180,13 @@ def iter_gguf_block_weights(reader) -> Iterator[tuple[str, object]]:
             if t.tensor_type.name not in NATIVE_TYPES:
                 raise _type_error(t, name)
             shape = gguf_loader._torch_shape(t)
-            weight = GGUFBlocks(gguf_loader.raw_rows(t), t.tensor_type.name, shape[1], t.name)
+            raw = gguf_loader.raw_rows(t)
+            if raw.dim() == 3:          # stacked experts: one GGUFBlocks view per expert
+                for expert_name, rows in gguf_loader.split_experts(name, raw):
+                    yield expert_name, GGUFBlocks(rows, t.tensor_type.name, shape[-1],
+                                                  f"{t.name}[{expert_name.split('.')[-3]}]")
+                continue
+            weight = GGUFBlocks(raw, t.tensor_type.name, shape[1], t.name)
         else:
             weight = gguf_loader.to_hf_values(arch, name, gguf_loader.tensor_to_torch(t))
         n_head = gguf_loader.qk_permuted_heads(arch, name, config)
@@ -198,6 +205,10 @@ class GGUFConfig(QuantizationConfig):
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
         return GGUFLinearMethod()
+
+    def get_experts_method(self, prefix: str):
+        from kvforge.quant.gguf_experts import GGUFExpertsMethod
+        return GGUFExpertsMethod()
 
     def replace_modules(self, model) -> int:
         """Token embeddings become ``GGUFEmbedding``s (before any weight is loaded)."""

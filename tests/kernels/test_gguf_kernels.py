@@ -36,21 +36,38 @@ def reference_weight(raw: np.ndarray, qtype) -> np.ndarray:
     return quants.dequantize(raw, qtype).astype(np.float64)
 
 
-def activation_step(qtype) -> int:
-    """Activations share an int8 step per 16 values for the 32-weight formats and per 256 (the
-    super-block) for K-quants."""
-    return 256 if qtype in K_QUANTS else 16
+K_MAX_SHIFT = 4       # a K-quant 32-block's step is at most 16x finer than its super-block's
 
 
-def activation_error_bound(x: torch.Tensor, w: np.ndarray, width: int = 16) -> torch.Tensor:
-    """|x . w - x_q8 . w| <= sum_i |w_i| * d_b / 2 where d_b = max|x in block b| / 127 over
-    blocks of ``width``: the kernel rounds each activation to the nearest multiple of its
-    block's step."""
-    step = x.double().abs().view(x.shape[0], -1, width).amax(-1) / 127       # [M, K/width]
-    half_step = (step / 2).repeat_interleave(width, dim=1)                    # [M, K]
+def activation_steps(x: torch.Tensor, qtype) -> torch.Tensor:
+    """The int8 step of every activation [M, K] as the kernels choose it: per 16 values for the
+    32-weight formats (max |x| / 127); for K-quants the super-block's max |x| / 127 divided by
+    the largest power of two <= 16 that keeps each 32's values within +-127."""
+    x = x.double().abs()
+    if qtype not in K_QUANTS:
+        return (x.view(x.shape[0], -1, 16).amax(-1) / 127).repeat_interleave(16, dim=1)
+    block_max = x.view(x.shape[0], -1, 8, 32).amax(-1)                     # [M, K/256, 8]
+    coarsest = block_max.amax(-1, keepdim=True) / 127
+    e = torch.zeros_like(block_max)
+    for _ in range(K_MAX_SHIFT):
+        e += (block_max * 2 ** (e + 1) <= coarsest * 127).double()
+    return (coarsest / 2 ** e).reshape(x.shape[0], -1).repeat_interleave(32, dim=1)
+
+
+def activation_error_bound(x: torch.Tensor, w: np.ndarray, steps: torch.Tensor) -> torch.Tensor:
+    """|x . w - x_q8 . w| <= sum_i |w_i| * step_i / 2: the kernel rounds each activation to the
+    nearest multiple of its step."""
     wa = torch.from_numpy(np.abs(w))
     # + float rounding of the sums (fp32 accumulators)
-    return half_step @ wa.T + 1e-5 * (x.double().abs() @ wa.T) + 1e-6
+    return (steps / 2) @ wa.T + 1e-5 * (x.double().abs() @ wa.T) + 1e-6
+
+
+def uneven_activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian rows whose 32-blocks differ in scale by up to 2^6 (as channels with outliers do),
+    so K-quant blocks take every shift."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** -torch.randint(0, 7, (rows, k // 32), generator=g).float()
+    return torch.randn(rows, k, generator=g) * scale.repeat_interleave(32, dim=1)
 
 
 @needs_kernels
@@ -68,9 +85,43 @@ def test_few_rows_within_activation_rounding(compiled, qtype, rows):
     if qtype in FLOATS:      # float rows: fp32 dot products, no activation rounding
         assert err.max() <= 1e-5 * ref.abs().max() + 1e-6
     else:
-        bound = activation_error_bound(x, w, activation_step(qtype))
+        bound = activation_error_bound(x, w, activation_steps(x, qtype))
         assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
         assert err.max() > 0          # the activations really are rounded (not a float path)
+
+
+def k_quant_rounded(x: torch.Tensor, max_shift: int = K_MAX_SHIFT) -> torch.Tensor:
+    """x [M, K] as the K-quant kernels round it, in float32 as they compute: q = round-half-even
+    (x * 127 / max|x of the 256| * 2^e), times the step (max / 127) / 2^e."""
+    v = x.float().view(x.shape[0], -1, 8, 32)
+    block_max = v.abs().amax(-1, keepdim=True)
+    amax = block_max.amax(-2, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    e = torch.zeros_like(block_max)
+    for _ in range(max_shift):
+        e += (block_max * 2 ** (e + 1) <= amax).float()
+    q = torch.round(v * (inv * 2 ** e))
+    return (q.double() * (amax / 127 / 2 ** e).double()).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_an_outlier_channel_coarsens_only_its_own_32_block(compiled, qtype):
+    """One channel 300x the others (Qwen2's massive activations): a K-quant super-block's other
+    32-blocks keep steps up to 16x finer than the outlier's. The kernel computes exactly the
+    product of the weights with the activations rounded that way (up to float sums), and that
+    is several times closer to the exact product than one step per 256."""
+    n, k = 23, 512
+    raw = random_blocks(qtype, n, k, seed=11 + int(qtype))
+    w = torch.from_numpy(reference_weight(raw, qtype))
+    x = uneven_activations(4, k, seed=2)
+    x[:, 37] = 300.0
+    y = compiled.gguf_linear(x, [torch.from_numpy(raw)], [int(qtype)], None).double()
+    magnitude = (x.double().abs() @ w.abs().T).max()
+    assert (y - k_quant_rounded(x) @ w.T).abs().max() <= 1e-5 * magnitude
+    exact = x.double() @ w.T
+    fine = (k_quant_rounded(x) @ w.T - exact).abs().mean()
+    assert fine < (k_quant_rounded(x, max_shift=0) @ w.T - exact).abs().mean() / 4
 
 
 @needs_kernels
@@ -96,7 +147,7 @@ def test_many_rows_and_dequantize_match_the_reference(compiled, qtype):
         magnitude = x.double().abs() @ torch.from_numpy(np.abs(w)).T
         assert (y.double() - ref).abs().max() <= 1e-5 * magnitude.max()
     else:
-        bound = activation_error_bound(x, w, activation_step(qtype))
+        bound = activation_error_bound(x, w, activation_steps(x, qtype))
         assert ((y.double() - ref).abs() <= bound).all()
         for i in (0, 63, 64, 130):
             assert torch.equal(y[i:i + 1], compiled.gguf_linear(x[i:i + 1], [r], [int(qtype)],
@@ -116,8 +167,8 @@ def test_shards_of_mixed_types_with_bias(compiled, rows):
     y = compiled.gguf_linear(x, [torch.from_numpy(r) for r in raws], [int(t) for t in types],
                              bias)
     ref = x.double() @ torch.from_numpy(w).T + bias.double()
-    # the Q8_0 rows' activations have steps per 16, the K-quants' per 256 (the looser bound)
-    assert ((y.double() - ref).abs() <= activation_error_bound(x, w, 256) + 1e-5).all()
+    steps = torch.cat([activation_steps(x, t).unsqueeze(0) for t in types]).amax(0)
+    assert ((y.double() - ref).abs() <= activation_error_bound(x, w, steps) + 1e-5).all()
 
 
 @needs_kernels
@@ -157,7 +208,7 @@ def test_simd_kernels_equal_the_portable_reference(compiled, qtype):
     portable = compiled.GgufWeight([raw], [int(qtype)], k, reference_kernels=True)
     weight_abs = torch.from_numpy(np.abs(reference_weight(raw.numpy(), qtype))).float()
     for rows in (1, 2, 3, 4, 5, 7, 16):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        x = uneven_activations(rows, k, seed=rows)
         y = fast.linear(x)
         magnitude = (x.abs() @ weight_abs.T).max()
         assert (y - portable.linear(x)).abs().max() <= 2e-6 * magnitude

@@ -108,7 +108,28 @@ _TO_GGUF_BY_ARCH = {
                "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
+    "llama": {"mlp.gate": "ffn_gate_inp"},            # Mixtral's router
+    "qwen2moe": {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                 "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                 "mlp.shared_expert.down_proj": "ffn_down_shexp"},
 }
+
+
+def _hf_tensors_as_gguf(arch: str, name: str, t: torch.Tensor):
+    """(GGUF name, tensor) pairs of one HF tensor: transformers-5 stacked experts
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] become llama.cpp's ``ffn_gate_exps`` and
+    ``ffn_up_exps`` [E, I, H], ``mlp.experts.down_proj`` its ``ffn_down_exps``."""
+    parts = name.split(".")
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        half = t.shape[1] // 2
+        return [(f"blk.{parts[2]}.ffn_gate_exps.weight", t[:, :half]),
+                (f"blk.{parts[2]}.ffn_up_exps.weight", t[:, half:])]
+    if name.endswith(".mlp.experts.down_proj"):
+        return [(f"blk.{parts[2]}.ffn_down_exps.weight", t)]
+    if name.endswith(".mlp.shared_expert_gate.weight"):      # llama.cpp: a vector [H]
+        return [(gguf_name_for(arch, name), t.reshape(-1))]
+    return [(gguf_name_for(arch, name), t)]
 
 
 def gguf_name_for(arch: str, hf_name: str) -> str:
@@ -128,13 +149,18 @@ def _rope_theta(config, layer_type: str = "full_attention") -> float:
 
 def write_hf_model_gguf(path: str, hf_model, arch: str,
                         tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
-                        extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+                        extra: Callable[[gguf.GGUFWriter], None] | None = None,
+                        encode: Callable[[str, np.ndarray],
+                                         tuple[np.ndarray, gguf.GGMLQuantizationType]]
+                        | None = None) -> None:
     """Write a transformers model as llama.cpp's ``convert_hf_to_gguf`` would, in F32 (norms in
     F32 as it keeps them): ``llama`` permutes q/k rows for its rotary layout, ``qwen2`` keeps
     them (NEOX rope), ``gemma3`` stores every ``*norm.weight`` as ``1 + w`` and writes
     key/value lengths and the sliding window but not the local RoPE base. An untied head is
     ``output.weight``; a tied one is left out. ``tokenizer(writer)`` adds the vocabulary,
-    ``extra(writer)`` any further metadata."""
+    ``extra(writer)`` any further metadata; ``encode(gguf_name, array)`` -> (stored array, ggml
+    type) picks a tensor's storage (default F32). ``qwen2moe`` writes the expert keys and
+    stacked expert tensors."""
     c = hf_model.config
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
@@ -145,6 +171,14 @@ def write_hf_model_gguf(path: str, hf_model, arch: str,
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(_rope_theta(c))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "llama" and getattr(c, "num_local_experts", None):      # Mixtral
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen2moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if arch == "gemma3":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -167,7 +201,13 @@ def write_hf_model_gguf(path: str, hf_model, arch: str,
             t = llama_cpp_permute(t, c.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             t = t + 1
-        w.add_tensor(gguf_name_for(arch, name), t.numpy().astype(np.float32))
+        for stored_name, part in _hf_tensors_as_gguf(arch, name, t):
+            arr = part.contiguous().numpy().astype(np.float32)
+            if encode is None:
+                w.add_tensor(stored_name, arr)
+            else:
+                stored, qtype = encode(stored_name, arr)
+                w.add_tensor(stored_name, stored, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,11 +11,15 @@
 //                             [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
 //     s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
 //     s32  float [K / 32]     the same per 32 (s16 pairs)
-//   K-quants (Q4_K, Q5_K, Q6_K): a step per 256 (the super-block, as llama.cpp's Q8_K)
-//     q256    int8  [K]        round(x / d256), d256 = max |x| / 127 of each 256
-//     d256    float [K / 256]
-//     bsum16  int16 [K / 16]   sum(q256) of each 16: what Q6_K's zero point multiplies
-//     sum32   float [K / 32]   d256 * sum(q256) of each 32: what Q4_K / Q5_K's mins multiply
+//   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 32 under one unit per 256
+//     q256     int8  [K]        round(x / step), |q| <= 127; step of each 32 = unit * 2^shift
+//     unit256  float [K / 256]  the super-block's finest step: (max |x| of the 256 / 127) / 16
+//     shift32  int64 [K / 32]   shift = 4 - e, e the largest <= 4 with max |x of the 32| * 2^e
+//                               <= max |x of the 256|: a 32-block of small values gets a step
+//                               up to 16x finer than the super-block's outlier would give it
+//     bsum16   int16 [K / 16]   sum(q) << shift of each 16 (in units): what Q6_K's zero point
+//                               multiplies (|.| <= 16 * 127 * 16 = 32512: fits)
+//     sum32    float [K / 32]   step * sum(q) of each 32: what Q4_K / Q5_K's mins multiply
 //
 // Each type's kernel turns a block's bytes into unsigned codes in registers (no scratch row)
 // and multiplies them by the activations' bytes:
@@ -25,9 +29,9 @@
 //
 //   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
 //                            + offset * s16 / s32                (a vector FMA per 32 weights)
-//   K-quants:          dot = sum over super-blocks  d256 * (d * sumi - dmin * summ)
-//                      sumi = sum over sub-blocks  sub-scale * (codes . q256)      (int32)
-//                      minus  dmin * sub-min . sum32          (a vector FMA per super-block)
+//   K-quants:          dot = sum over super-blocks  unit256 * d * sumi  -  dmin * sub-min . sum32
+//                      sumi = sum over sub-blocks  (sub-scale * (codes . q256)) << shift  (int32)
+//                      (the mins: a vector FMA per super-block)
 //
 // A K-quant super-block's sub-block scales enter the integer multiply (madd), so its 256
 // weights cost one conversion and two FMAs per activation row: the integer sums are exact, so every row count
@@ -35,8 +39,11 @@
 // as they are; a signed format's zero point (Q4_0's -8, Q5_0's -16, Q6_K's -32) is an offset
 // like Q4_1's min. Q8_0 (signed bytes) moves the sign onto the activations
 // (_mm256_sign_epi8). The step per 16 of the small-block formats confines an outlier channel's
-// coarse step to 16 values at one vector load per 32 weights; the K-quants' per-256 step
-// (llama.cpp's choice) trades that for integer accumulation over the super-block.
+// coarse step to 16 values at one vector load per 32 weights. The K-quants accumulate a whole
+// super-block in integers, so their steps must be integer multiples of one unit: llama.cpp
+// (Q8_K) uses one step per 256, which lets an outlier channel coarsen 255 other values (+0.8%
+// perplexity on Qwen2.5-1.5B Q4_K_M); power-of-two steps per 32 cost one shift per 32 weights
+// per row, on a port the multiplies leave idle.
 //
 // Without AVX2 (builds for other CPUs) each row is unpacked to codes (gguf_blocks.cpp) and
 // dotted by a scalar loop: the same arithmetic, the reference the tests compare.
@@ -48,8 +55,9 @@ namespace {
 struct ActRow {
   const int8_t* q;                  // steps per 16
   const float *dv, *s16, *s32;
-  const int8_t* q256;               // steps per 256
-  const float* d256;
+  const int8_t* q256;               // power-of-two steps per 32 under a unit per 256
+  const float* unit256;
+  const int64_t* shift32;
   const int16_t* bsum16;
   const float* sum32;
 };
@@ -57,7 +65,8 @@ struct ActRow {
 struct GgufActivations {
   int64_t k = 0;
   std::vector<int8_t> q, q256;
-  std::vector<float> dv, s16, s32, d256, sum32;
+  std::vector<float> dv, s16, s32, unit256, sum32;
+  std::vector<int64_t> shift32;
   std::vector<int16_t> bsum16;
 
   void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
@@ -73,8 +82,9 @@ struct GgufActivations {
     for (int64_t m = 0; m < count; ++m)
       views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
                   s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
-                  q256.data() + m * k,        d256.data() + m * (k / 256),
-                  bsum16.data() + m * (k / 16), sum32.data() + m * (k / 32)};
+                  q256.data() + m * k,        unit256.data() + m * (k / 256),
+                  shift32.data() + m * (k / 32), bsum16.data() + m * (k / 16),
+                  sum32.data() + m * (k / 32)};
     return views.data();
   }
   std::vector<ActRow> views;
@@ -100,9 +110,12 @@ struct GgufActivations {
         s32[b] = (h % 2 ? s32[b] : 0.f) + d * static_cast<float>(sum);
       }
   }
+  // the finest step of a super-block is its coarsest / 2^kMaxShift
+  static constexpr int kMaxShift = 4;
   void quantize_per_256(const float* x, int64_t xs, int64_t rows) {
     q256.resize(rows * k);
-    d256.resize(rows * k / 256);
+    unit256.resize(rows * k / 256);
+    shift32.resize(rows * k / 32);
     bsum16.resize(rows * k / 16);
     sum32.resize(rows * k / 32);
     for (int64_t r = 0; r < rows; ++r)
@@ -110,26 +123,38 @@ struct GgufActivations {
         const float* v = x + r * xs + 256 * sb;
         int8_t* out = q256.data() + r * k + 256 * sb;
         int16_t* bsum = bsum16.data() + r * (k / 16) + 16 * sb;
-        const float amax = abs_max_256(v);
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        d256[r * (k / 256) + sb] = d;
-        round_256(v, inv, out, bsum);
-        for (int j = 0; j < 8; ++j)
-          sum32[r * (k / 32) + 8 * sb + j] = d * static_cast<float>(bsum[2 * j] + bsum[2 * j + 1]);
+        float block_max[8], amax = 0.f;
+        for (int j = 0; j < 8; ++j) amax = std::max(amax, block_max[j] = abs_max_32(v + 32 * j));
+        const float coarsest = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        unit256[r * (k / 256) + sb] = std::ldexp(coarsest, -kMaxShift);
+        for (int j = 0; j < 8; ++j) {
+          // the finest power-of-two step that keeps this 32's values within +-127 (powers of
+          // two scale floats exactly, so the test and the rounding agree on every CPU)
+          int e = 0;
+          while (e < kMaxShift && std::ldexp(block_max[j], e + 1) <= amax) ++e;
+          const int shift = kMaxShift - e;
+          const float inv_block = std::ldexp(inv, e);
+          const int lo = round_16(v + 32 * j, inv_block, out + 32 * j);
+          const int hi = round_16(v + 32 * j + 16, inv_block, out + 32 * j + 16);
+          shift32[r * (k / 32) + 8 * sb + j] = shift;
+          sum32[r * (k / 32) + 8 * sb + j] = std::ldexp(coarsest, -e) * static_cast<float>(lo + hi);
+          bsum[2 * j] = static_cast<int16_t>(lo * (1 << shift));
+          bsum[2 * j + 1] = static_cast<int16_t>(hi * (1 << shift));
+        }
       }
   }
-  // max |v| of 256 values (max is exact: any order gives the same result)
-  static float abs_max_256(const float* v) {
+  // max |v| of 32 values (max is exact: any order gives the same result)
+  static float abs_max_32(const float* v) {
 #if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 m = _mm256_setzero_ps();
-    for (int j = 0; j < 256; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+    for (int j = 8; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     float amax = 0.f;
-    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(v[j]));
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
     return amax;
 #endif
   }
@@ -157,11 +182,6 @@ struct GgufActivations {
     }
     return sum;
 #endif
-  }
-  // the same for 256 values, with the sums of each 16 in bsum
-  static void round_256(const float* v, float inv, int8_t* out, int16_t* bsum) {
-    for (int h = 0; h < 16; ++h)
-      bsum[h] = static_cast<int16_t>(round_16(v + 16 * h, inv, out + 16 * h));
   }
 };
 
@@ -193,7 +213,7 @@ void dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t ro
     out[m] = total;
   }
 }
-// K-quants: integer sums per super-block, two float products each
+// K-quants: integer sums per super-block (each 16's shifted to the unit), two float products
 template <int64_t Type>
 void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t rows,
                      float* out, const uint8_t*) {
@@ -204,16 +224,17 @@ void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t 
     unpack_k_block(Type, row + kBytes * sb, blk);
     for (int64_t m = 0; m < rows; ++m) {
       const int8_t* x = acts[m].q256 + 256 * sb;
+      const int64_t* shift = acts[m].shift32 + 8 * sb;
       int64_t sumi = 0;
       float mins = 0.f;
       for (int i = 0; i < 16; ++i) {
         int32_t dot16 = 0;
         for (int j = 16 * i; j < 16 * i + 16; ++j) dot16 += blk.q[j] * x[j];
-        sumi += int64_t{blk.scale[i]} * dot16;
+        sumi += int64_t{blk.scale[i]} * dot16 * (int64_t{1} << shift[i / 2]);
       }
       for (int i = 0; i < 8; ++i)       // min per 32 (Q6_K: 0)
         mins += blk.dmin * static_cast<float>(blk.min[2 * i]) * acts[m].sum32[8 * sb + i];
-      out[m] += blk.d * acts[m].d256[sb] * static_cast<float>(sumi) - mins;
+      out[m] += blk.d * acts[m].unit256[sb] * static_cast<float>(sumi) - mins;
     }
   }
 }
@@ -287,6 +308,11 @@ inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
   return _mm256_madd_epi16(
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
       scale);
+}
+// int32 lanes << the 32-block's shift (K-quant activations' steps are the unit << shift):
+// a shift runs beside the multiplies (other ports), so the finer steps cost little time
+inline __m256i shifted(__m256i v, const int64_t* shift) {
+  return _mm256_sll_epi32(v, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(shift)));
 }
 // 32 nibbles of 16 bytes: byte j -> codes j (low nibble) and j + 16 (high nibble)
 inline __m256i nibbles_32(const uint8_t* p) {
@@ -448,19 +474,21 @@ struct K4Kernel {
         // one accumulator a row runs ~15% faster at 4 rows, two ~7% faster at 1 row)
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a[r].q256 + 256 * sb + 64 * c;
+          const int64_t* shift = a[r].shift32 + 8 * sb + 2 * c;
+          const __m256i p_lo = shifted(scaled_isum_u8(lo, x, s_lo), shift);
+          const __m256i p_hi = shifted(scaled_isum_u8(hi, x + 32, s_hi), shift + 1);
           if constexpr (R == 1) {
-            sum[r] = _mm256_add_epi32(sum[r], scaled_isum_u8(lo, x, s_lo));
-            sum_hi[r] = _mm256_add_epi32(sum_hi[r], scaled_isum_u8(hi, x + 32, s_hi));
+            sum[r] = _mm256_add_epi32(sum[r], p_lo);
+            sum_hi[r] = _mm256_add_epi32(sum_hi[r], p_hi);
           } else {
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
-                                                               scaled_isum_u8(hi, x + 32, s_hi)));
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(p_lo, p_hi));
           }
         }
       }
       const float d = fp16_at(blk);
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[r], sum_hi[r])),
-                                 _mm256_set1_ps(d * a[r].d256[sb]), acc[r]);
+                                 _mm256_set1_ps(d * a[r].unit256[sb]), acc[r]);
         acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a[r].sum32 + 8 * sb), acc[r]);
       }
     }
@@ -524,7 +552,8 @@ struct Q6KKernel {
           __m256i* chain = R == 1 && g % 2 ? sum_odd : sum;
           for (int r = 0; r < R; ++r)
             chain[r] = _mm256_add_epi32(
-                chain[r], scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 32 * blk32, s));
+                chain[r], shifted(scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 32 * blk32, s),
+                                  a[r].shift32 + 8 * sb + blk32));
         }
       }
       const float d = fp16_at(blk + 208);
@@ -533,7 +562,7 @@ struct Q6KKernel {
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].bsum16 + 16 * sb)), sc);
         const __m256i total = _mm256_sub_epi32(_mm256_add_epi32(sum[r], sum_odd[r]),
                                                _mm256_slli_epi32(zero, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a[r].d256[sb]),
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a[r].unit256[sb]),
                                  acc[r]);
       }
     }
