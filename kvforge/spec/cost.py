@@ -106,7 +106,8 @@ def time_forward(forward, rows: int, repeats: int = 3) -> float:
     return min(times)
 
 
-def calibrate(target_forward, draft_forward=None, rows: int = 4) -> SpecCostModel:
+def calibrate(target_forward, draft_forward=None, rows: int = 4,
+              min_gain: float = 1.05) -> SpecCostModel:
     """Measure both models at 1 and ``rows`` rows (one sequence each) on this machine and
     express every cost in single-row target forwards."""
     with torch.inference_mode():
@@ -119,4 +120,4 @@ def calibrate(target_forward, draft_forward=None, rows: int = 4) -> SpecCostMode
             d1, dn = time_forward(draft_forward, 1), time_forward(draft_forward, rows)
             raw = ForwardCost.from_timings(d1, rows, dn)
             draft = ForwardCost(raw.fixed / unit, raw.per_row / unit)
-    return SpecCostModel(target, draft)
+    return SpecCostModel(target, draft, min_gain=min_gain)

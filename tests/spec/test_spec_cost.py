@@ -138,3 +138,11 @@ def test_a_paused_draft_model_does_not_stop_ngram_guesses():
     assert not proposals[-1], f"rejected drafts must pause the draft model: {proposals}"
     proposer.on = True                  # the very next step, the draft still paused
     assert _step(spec, reqs, accepted=0)["r0"][0] == 7, "the guess goes on while it pauses"
+
+
+def test_min_gain_keeps_marginal_predictions_from_speculating():
+    assert SpecCostModel(GGUF_ROWS).best_k(0.7, 7) > 0            # predicts ~1.1x
+    assert SpecCostModel(GGUF_ROWS, min_gain=1.25).best_k(0.7, 7) == 0
+    assert SpecCostModel(GGUF_ROWS, min_gain=1.25).best_k(0.9, 7) > 0
+    with pytest.raises(ValueError, match="min_gain"):
+        SpecCostModel(GGUF_ROWS, min_gain=0.9)
