@@ -11,12 +11,12 @@
 //                             [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
 //     s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
 //     s32  float [K / 32]     the same per 32 (s16 pairs)
-//   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 32 under one unit per 256
-//     q256     int8  [K]        round(x / step), |q| <= 127; step of each 32 = unit * 2^shift
+//   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 64 under one unit per 256
+//     q256     int8  [K]        round(x / step), |q| <= 127; step of each 64 = unit * 2^shift
 //     unit256  float [K / 256]  the super-block's finest step: (max |x| of the 256 / 127) / 16
-//     shift32  int64 [K / 32]   shift = 4 - e, e the largest <= 4 with max |x of the 32| * 2^e
-//                               <= max |x of the 256|: a 32-block of small values gets a step
-//                               up to 16x finer than the super-block's outlier would give it
+//     shift64  int64 [K / 64]   shift = 4 - e, e the largest <= 4 with max |x of the 64| * 2^e
+//                               <= max |x of the 256|: 64 values of small magnitude get a step
+//                               up to 16x finer than the super-block's outlier would give them
 //     bsum16   int16 [K / 16]   sum(q) << shift of each 16 (in units): what Q6_K's zero point
 //                               multiplies (|.| <= 16 * 127 * 16 = 32512: fits)
 //     sum32    float [K / 32]   step * sum(q) of each 32: what Q4_K / Q5_K's mins multiply
@@ -30,7 +30,8 @@
 //   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
 //                            + offset * s16 / s32                (a vector FMA per 32 weights)
 //   K-quants:          dot = sum over super-blocks  unit256 * d * sumi  -  dmin * sub-min . sum32
-//                      sumi = sum over sub-blocks  (sub-scale * (codes . q256)) << shift  (int32)
+//                      sumi = sum over 64s  (sum over its sub-blocks  sub-scale * (codes . q256))
+//                                           << shift                                    (int32)
 //                      (the mins: a vector FMA per super-block)
 //
 // A K-quant super-block's sub-block scales enter the integer multiply (madd), so its 256
@@ -42,8 +43,9 @@
 // coarse step to 16 values at one vector load per 32 weights. The K-quants accumulate a whole
 // super-block in integers, so their steps must be integer multiples of one unit: llama.cpp
 // (Q8_K) uses one step per 256, which lets an outlier channel coarsen 255 other values (+0.8%
-// perplexity on Qwen2.5-1.5B Q4_K_M); power-of-two steps per 32 cost one shift per 32 weights
-// per row, on a port the multiplies leave idle.
+// perplexity on Qwen2.5-1.5B Q4_K_M); power-of-two steps per 64 cost one shift per 64 weights
+// per row (per 32 cost ~20% of the prefill kernels' time; per 64, Q4_K's 32-byte chunk of two
+// sub-blocks, shares one shift).
 //
 // Without AVX2 (builds for other CPUs) each row is unpacked to codes (gguf_blocks.cpp) and
 // dotted by a scalar loop: the same arithmetic, the reference the tests compare.
@@ -57,7 +59,7 @@ struct ActRow {
   const float *dv, *s16, *s32;
   const int8_t* q256;               // power-of-two steps per 32 under a unit per 256
   const float* unit256;
-  const int64_t* shift32;
+  const int64_t* shift64;
   const int16_t* bsum16;
   const float* sum32;
 };
@@ -66,7 +68,7 @@ struct GgufActivations {
   int64_t k = 0;
   std::vector<int8_t> q, q256;
   std::vector<float> dv, s16, s32, unit256, sum32;
-  std::vector<int64_t> shift32;
+  std::vector<int64_t> shift64;
   std::vector<int16_t> bsum16;
 
   void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
@@ -83,7 +85,7 @@ struct GgufActivations {
       views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
                   s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
                   q256.data() + m * k,        unit256.data() + m * (k / 256),
-                  shift32.data() + m * (k / 32), bsum16.data() + m * (k / 16),
+                  shift64.data() + m * (k / 64), bsum16.data() + m * (k / 16),
                   sum32.data() + m * (k / 32)};
     return views.data();
   }
@@ -115,7 +117,7 @@ struct GgufActivations {
   void quantize_per_256(const float* x, int64_t xs, int64_t rows) {
     q256.resize(rows * k);
     unit256.resize(rows * k / 256);
-    shift32.resize(rows * k / 32);
+    shift64.resize(rows * k / 64);
     bsum16.resize(rows * k / 16);
     sum32.resize(rows * k / 32);
     for (int64_t r = 0; r < rows; ++r)
@@ -123,23 +125,28 @@ struct GgufActivations {
         const float* v = x + r * xs + 256 * sb;
         int8_t* out = q256.data() + r * k + 256 * sb;
         int16_t* bsum = bsum16.data() + r * (k / 16) + 16 * sb;
-        float block_max[8], amax = 0.f;
-        for (int j = 0; j < 8; ++j) amax = std::max(amax, block_max[j] = abs_max_32(v + 32 * j));
+        float block_max[4], amax = 0.f;
+        for (int j = 0; j < 4; ++j)
+          amax = std::max(amax, block_max[j] = std::max(abs_max_32(v + 64 * j),
+                                                        abs_max_32(v + 64 * j + 32)));
         const float coarsest = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         unit256[r * (k / 256) + sb] = std::ldexp(coarsest, -kMaxShift);
-        for (int j = 0; j < 8; ++j) {
-          // the finest power-of-two step that keeps this 32's values within +-127 (powers of
+        for (int j = 0; j < 4; ++j) {
+          // the finest power-of-two step that keeps this 64's values within +-127 (powers of
           // two scale floats exactly, so the test and the rounding agree on every CPU)
           int e = 0;
           while (e < kMaxShift && std::ldexp(block_max[j], e + 1) <= amax) ++e;
           const int shift = kMaxShift - e;
-          const float inv_block = std::ldexp(inv, e);
-          const int lo = round_16(v + 32 * j, inv_block, out + 32 * j);
-          const int hi = round_16(v + 32 * j + 16, inv_block, out + 32 * j + 16);
-          shift32[r * (k / 32) + 8 * sb + j] = shift;
-          sum32[r * (k / 32) + 8 * sb + j] = std::ldexp(coarsest, -e) * static_cast<float>(lo + hi);
-          bsum[2 * j] = static_cast<int16_t>(lo * (1 << shift));
-          bsum[2 * j + 1] = static_cast<int16_t>(hi * (1 << shift));
+          const float inv_block = std::ldexp(inv, e), step = std::ldexp(coarsest, -e);
+          shift64[r * (k / 64) + 4 * sb + j] = shift;
+          for (int h = 0; h < 2; ++h) {           // the two 32s: sum32 each, bsum16 per 16
+            const int b32 = 2 * j + h;
+            const int lo = round_16(v + 32 * b32, inv_block, out + 32 * b32);
+            const int hi = round_16(v + 32 * b32 + 16, inv_block, out + 32 * b32 + 16);
+            sum32[r * (k / 32) + 8 * sb + b32] = step * static_cast<float>(lo + hi);
+            bsum[2 * b32] = static_cast<int16_t>(lo * (1 << shift));
+            bsum[2 * b32 + 1] = static_cast<int16_t>(hi * (1 << shift));
+          }
         }
       }
   }
@@ -224,13 +231,13 @@ void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t 
     unpack_k_block(Type, row + kBytes * sb, blk);
     for (int64_t m = 0; m < rows; ++m) {
       const int8_t* x = acts[m].q256 + 256 * sb;
-      const int64_t* shift = acts[m].shift32 + 8 * sb;
+      const int64_t* shift = acts[m].shift64 + 4 * sb;
       int64_t sumi = 0;
       float mins = 0.f;
       for (int i = 0; i < 16; ++i) {
         int32_t dot16 = 0;
         for (int j = 16 * i; j < 16 * i + 16; ++j) dot16 += blk.q[j] * x[j];
-        sumi += int64_t{blk.scale[i]} * dot16 * (int64_t{1} << shift[i / 2]);
+        sumi += int64_t{blk.scale[i]} * dot16 * (int64_t{1} << shift[i / 4]);
       }
       for (int i = 0; i < 8; ++i)       // min per 32 (Q6_K: 0)
         mins += blk.dmin * static_cast<float>(blk.min[2 * i]) * acts[m].sum32[8 * sb + i];
@@ -309,8 +316,7 @@ inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
       scale);
 }
-// int32 lanes << the 32-block's shift (K-quant activations' steps are the unit << shift):
-// a shift runs beside the multiplies (other ports), so the finer steps cost little time
+// int32 lanes << the 64's shift (K-quant activations' steps are the unit << shift)
 inline __m256i shifted(__m256i v, const int64_t* shift) {
   return _mm256_sll_epi32(v, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(shift)));
 }
@@ -472,17 +478,14 @@ struct K4Kernel {
         // one row: two accumulators keep two maddubs -> madd -> add chains in flight; more
         // rows are chains of their own, and a second set of registers would spill (timed:
         // one accumulator a row runs ~15% faster at 4 rows, two ~7% faster at 1 row)
+        // (chunk c is the 64 with one activation step: one shift for both sub-blocks)
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a[r].q256 + 256 * sb + 64 * c;
-          const int64_t* shift = a[r].shift32 + 8 * sb + 2 * c;
-          const __m256i p_lo = shifted(scaled_isum_u8(lo, x, s_lo), shift);
-          const __m256i p_hi = shifted(scaled_isum_u8(hi, x + 32, s_hi), shift + 1);
-          if constexpr (R == 1) {
-            sum[r] = _mm256_add_epi32(sum[r], p_lo);
-            sum_hi[r] = _mm256_add_epi32(sum_hi[r], p_hi);
-          } else {
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(p_lo, p_hi));
-          }
+          const __m256i p = shifted(_mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
+                                                     scaled_isum_u8(hi, x + 32, s_hi)),
+                                    a[r].shift64 + 4 * sb + c);
+          __m256i* chain = R == 1 && c % 2 ? sum_hi : sum;
+          chain[r] = _mm256_add_epi32(chain[r], p);
         }
       }
       const float d = fp16_at(blk);
@@ -540,20 +543,26 @@ struct Q6KKernel {
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
         };
         const __m256i& half_scales = h == 0 ? sc_first : sc_second;
-        for (int g = 0; g < 4; ++g) {
-          const int blk32 = 4 * h + g;                      // 32-block in the super-block
-          // int16 lanes 0..7 (bytes 0..15) take scale 2 blk32, lanes 8..15 scale 2 blk32 + 1:
-          // in half_scales (scales 8h..8h+7 per lane) they are int16 2g and 2g + 1
+        // int16 lanes 0..7 (bytes 0..15) of 32-group g take scale 2 (4h + g), lanes 8..15 the
+        // next: in half_scales (scales 8h..8h+7 per lane) they are int16 2g and 2g + 1
+        auto group_scales = [&](int g) {
           const __m256i pick = _mm256_set_m128i(
               _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 3) + 4 * g + 2)),
               _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 1) + 4 * g)));
-          const __m256i s = _mm256_shuffle_epi8(half_scales, pick);
-          // two chains at one row, one a row at more (see K4Kernel); g is unrolled
-          __m256i* chain = R == 1 && g % 2 ? sum_odd : sum;
-          for (int r = 0; r < R; ++r)
+          return _mm256_shuffle_epi8(half_scales, pick);
+        };
+        // groups 2p, 2p + 1 are the 64 (2h + p) with one activation step: their sum is shifted
+        // once; two chains at one row (p alternates them), one a row at more (see K4Kernel)
+        for (int p = 0; p < 2; ++p) {
+          const __m256i s0 = group_scales(2 * p), s1 = group_scales(2 * p + 1);
+          __m256i* chain = R == 1 && p == 1 ? sum_odd : sum;
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = a[r].q256 + 256 * sb + 128 * h + 64 * p;
             chain[r] = _mm256_add_epi32(
-                chain[r], shifted(scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 32 * blk32, s),
-                                  a[r].shift32 + 8 * sb + blk32));
+                chain[r], shifted(_mm256_add_epi32(scaled_isum_u8(codes[2 * p], x, s0),
+                                                   scaled_isum_u8(codes[2 * p + 1], x + 32, s1)),
+                                  a[r].shift64 + 4 * sb + 2 * h + p));
+          }
         }
       }
       const float d = fp16_at(blk + 208);

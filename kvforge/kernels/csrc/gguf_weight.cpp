@@ -39,27 +39,47 @@ class GgufWeight {
       act.quantize(x, xs, rows, k_, shards_.any_per_16, shards_.any_per_256);
       acts = act.rows(rows);
     }
-    float out[kGgufDotRowsMax];
+    // Many activation rows (a prefill pass) run as tiles: the chunk's weight rows (<= 32, in
+    // L1/L2) against one group of 4 activation rows after another, so each group's int8 rows
+    // stay in L1 across the chunk instead of all the pass's rows (64 x K bytes: 98 KB at
+    // K = 1536, more than L2 at 8960) streaming again for every weight row.
+    //
+    //   tile[i][m] = W row (n0 + i) . activation row m      groups of 4 rows m, kernel calls
+    //                 i: 0 .. n1 - n0  (inner loop)          as when a row runs alone
+    float tile[kChunkRows][kGgufDotRowsMax];
     team.for_shares(out_features(), kChunkRows, claims, [&](int64_t n0, int64_t n1,
                                                             int64_t ahead_end) {
+      const uint8_t* row_at[kChunkRows];
+      const uint8_t* prefetch_at[kChunkRows];
+      size_t shard_at[kChunkRows];
       size_t s = shards_.shard_of(n0);
       for (int64_t n = n0; n < n1; ++n) {
         while (shards_.first_row[s + 1] <= n) ++s;
         const uint8_t* row = shards_.row(s, n);
+        // the bytes kGgufPrefetchAhead further on, while this thread will still read them
+        // (its share, within the shard: rows are contiguous there)
+        const int64_t stride = shards_.row_stride[s];
+        const int64_t later = n + (kGgufPrefetchAhead + stride - 1) / stride;
+        row_at[n - n0] = row;
+        shard_at[n - n0] = s;
+        prefetch_at[n - n0] = later < std::min(ahead_end, shards_.first_row[s + 1])
+                                  ? row + kGgufPrefetchAhead : nullptr;
+      }
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t group = std::min<int64_t>(4, rows - m0);
+        for (int64_t i = 0; i < n1 - n0; ++i)
+          if (dots_[shard_at[i]] != nullptr)      // the first group streams the rows in
+            dots_[shard_at[i]](row_at[i], k_, acts + m0, group, tile[i] + m0,
+                               m0 == 0 ? prefetch_at[i] : nullptr);
+      }
+      for (int64_t n = n0; n < n1; ++n) {
+        const size_t sh = shard_at[n - n0];
         const float b = bias != nullptr ? bias[n] : 0.f;
-        if (dots_[s] != nullptr) {
-          // the bytes kGgufPrefetchAhead further on, while this thread will still read them
-          // (its share, within the shard: rows are contiguous there)
-          const int64_t stride = shards_.row_stride[s];
-          const int64_t later = n + (kGgufPrefetchAhead + stride - 1) / stride;
-          const uint8_t* prefetch =
-              later < std::min(ahead_end, shards_.first_row[s + 1]) ? row + kGgufPrefetchAhead
-                                                                     : nullptr;
-          dots_[s](row, k_, acts, rows, out, prefetch);
-          for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = out[m] + b;
+        if (dots_[sh] != nullptr) {
+          for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = tile[n - n0][m] + b;
         } else {                         // a float row (F32 / F16 / BF16): fp32 dot products
           values.resize(k_);
-          float_row(shards_.type[s], row, k_, values.data());
+          float_row(shards_.type[sh], row_at[n - n0], k_, values.data());
           for (int64_t m = 0; m < rows; ++m) y[m * ys + n] = dot(x + m * xs, values.data(), k_) + b;
         }
       }
