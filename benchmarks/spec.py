@@ -1,21 +1,35 @@
-"""Speculative decoding: tokens/s with speculation off vs n-gram vs self-draft.
+"""Speculative decoding: tokens/s with speculation off vs n-gram vs a draft model.
 
     python benchmarks/spec.py                         # defaults: ~6 minutes on 2 cores
     python benchmarks/spec.py --batch-sizes 1 4 8 --num-prompts 8 --num-speculative-tokens 6
+    # a real pair: Qwen2.5-Coder 1.5B target, 0.5B draft (both GGUF Q4_K_M, run natively)
+    python benchmarks/spec.py --model qwen2.5-coder-1.5b-instruct \
+        --draft-model qwen2.5-coder-0.5b-instruct --workloads code --max-tokens 200 \
+        --methods off ngram draft draft+ngram --batch-sizes 1
 
 Workloads (greedy, EOS honoured, chat template applied, default model SmolLM2-135M-Instruct):
   chat   ShareGPT first human turns (``--num-prompts``, seed ``--seed``)
   copy   all 8 input-grounded edits written for this benchmark: code or text given in the prompt
          that the answer should mostly copy (rename a variable, add type hints, fix the
          indentation, reformat); the 135M model copies some and answers others in its own words
+  code   3 coding chats: two edits of a given class (type hints, docstrings) and one new
+         function; with batch b > 3 the prompts repeat to fill the batch
+
+Methods: off; ngram (prompt lookup); self-draft (the target's first layers); draft (a separate
+``--draft-model``, k drafts every step, no cost model: plain drafting); draft+ngram (the same
+model with n-gram guesses where they pay more and k per request from the cost model,
+kvforge/spec/cost.py, measured at engine start; nothing where nothing pays).
 
 For each batch size b the prompts run in groups of b (one ``LLM.generate`` per group) after a
 warm-up; tok/s = output tokens / wall time (prefill included); decode tok/s = tokens after
 each request's first / the time from its first token to its last (the phase speculation
 speeds up). Greedy speculation is lossless, so every method
 must produce the same tokens as "off" (column "same"). Acceptance = accepted / proposed; mean
-len = tokens a speculating request gains per verification step. Ends with one ``SUMMARY spec:``
-line (speedups vs "off" measured in the same run).
+len = tokens a speculating request gains per verification step; draft ms/tok = the draft
+model's time per drafted token (n-gram guesses it checked included); predicted = the cost
+model's decode speed-up for the steps the method ran (target rows and draft passes priced
+with the costs measured at start). Ends with one ``SUMMARY spec:`` line (speedups vs "off"
+measured in the same run).
 """
 from __future__ import annotations
 
@@ -56,6 +70,38 @@ _TEXT = ("The meeting is moved from Tuesday to Thursday at 10am in room 4B. Plea
          "quarterly report, the budget spreadsheet and your notes from the client call. Lunch "
          "will be provided after the meeting, and the afternoon session starts at 2pm.")
 
+_CLASS = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, quantity, price):
+        if quantity <= 0:
+            raise ValueError("quantity must be positive")
+        if name in self.items:
+            self.items[name]["quantity"] += quantity
+        else:
+            self.items[name] = {"quantity": quantity, "price": price}
+
+    def remove(self, name, quantity):
+        if name not in self.items:
+            raise KeyError(name)
+        self.items[name]["quantity"] -= quantity
+        if self.items[name]["quantity"] <= 0:
+            del self.items[name]
+
+    def total_value(self):
+        return sum(item["quantity"] * item["price"] for item in self.items.values())
+'''
+
+CODE_PROMPTS = [
+    f"Add type hints to every method of this Python class. Output the whole class:\n\n{_CLASS}",
+    f"Add a one-line docstring to every method of this Python class. Output the whole "
+    f"class:\n\n{_CLASS}",
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals "
+    "given as a list of (start, end) tuples and returns the merged list sorted by start. "
+    "Include a docstring and handle the empty list.",
+]
+
 COPY_PROMPTS = [
     f"Rename the variable `total` to `amount` in this Python function and output the whole "
     f"function:\n\n{_CODE}",
@@ -73,7 +119,10 @@ METHODS = {
     "off": {},
     "ngram": {"speculative_method": "ngram"},
     "self-draft": {"speculative_method": "draft"},
+    "draft": {"speculative_method": "draft", "speculative_draft_ngram": False},
+    "draft+ngram": {"speculative_method": "draft", "speculative_draft_ngram": True},
 }
+DRAFT_METHODS = ("draft", "draft+ngram")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,8 +137,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="7: with 1 decode row, the 8 rows the CPU linear kernel takes in one pass")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="self-draft depth (default: a quarter of the layers)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--workloads", nargs="+", default=["chat", "copy"], choices=["chat", "copy"])
+    p.add_argument("--draft-model", default=None,
+                   help="a separate draft model (catalogue name or path) for draft, draft+ngram")
+    p.add_argument("--methods", nargs="+", default=["off", "ngram", "self-draft"],
+                   choices=list(METHODS))
+    p.add_argument("--workloads", nargs="+", default=["chat", "copy"],
+                   choices=["chat", "copy", "code"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -106,6 +159,11 @@ def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
         out["chat"] = [chat(r.prompt) for r in reqs]
     if "copy" in args.workloads:
         out["copy"] = [chat(p) for p in COPY_PROMPTS]
+    if "code" in args.workloads:
+        prompts = [chat(p) for p in CODE_PROMPTS]
+        # fill the largest batch: b > 3 repeats the prompts
+        size = max(len(prompts), max(args.batch_sizes))
+        out["code"] = [prompts[i % len(prompts)] for i in range(size)]
     return out
 
 
@@ -132,6 +190,8 @@ def main(argv=None) -> None:
     # shared VM's memory bandwidth drifts over minutes, and a method measured minutes after
     # "off" would carry that drift into its ratio
     llms = {}
+    if any(m in DRAFT_METHODS for m in args.methods) and not args.draft_model:
+        raise SystemExit(f"methods {DRAFT_METHODS} need --draft-model")
     for method in args.methods:
         kwargs = dict(METHODS[method], num_threads=threads, kv_cache_memory="512MiB",
                       max_model_len=2048)
@@ -139,16 +199,34 @@ def main(argv=None) -> None:
             kwargs["num_speculative_tokens"] = args.num_speculative_tokens
         if method == "self-draft" and args.draft_layers:
             kwargs["speculative_draft_layers"] = args.draft_layers
+        if method in DRAFT_METHODS:
+            kwargs["speculative_draft_model"] = args.draft_model
         llms[method] = LLM(args.model, **kwargs)
+    costs = [llm.engine.spec.cost for llm in llms.values()
+             if llm.engine.spec is not None and llm.engine.spec.cost is not None]
+    for method, llm in llms.items():
+        spec = llm.engine.spec
+        if spec is None:
+            continue
+        if method == "draft":
+            spec.cost = None             # plain drafting: k drafts every step
+            spec.max_verify_rows = None
+        if costs:                        # every method priced with the same measured costs
+            spec.report_cost = costs[0]
+    if costs:
+        c = costs[0]
+        print(f"cost model (single-row target forwards): target {c.target.fixed:.2f} + "
+              f"{c.target.per_row:.2f}/row, draft {c.draft.fixed:.2f} + {c.draft.per_row:.2f}/row")
     workloads = _workloads(next(iter(llms.values())).engine.tokenizer, args)
     for llm in llms.values():
         _run(llm, [workloads[next(iter(workloads))][0]], 1, 8)          # warm-up
     for name, prompts in workloads.items():
         for b in args.batch_sizes:
             for method, llm in llms.items():
-                before = _snapshot(llm.engine.spec_stats)
-                tokens, seconds, decode_s = _run(llm, prompts, b, args.max_tokens)
-                stats = _delta(llm.engine.spec_stats, before)
+                before = _snapshot(llm.engine)
+                group = prompts[:max(len(CODE_PROMPTS), b)] if name == "code" else prompts
+                tokens, seconds, decode_s = _run(llm, group, b, args.max_tokens)
+                stats = _delta(llm.engine, before)
                 outputs[(name, b, method)] = tokens
                 n = sum(len(t) for t in tokens)
                 results[(name, b, method)] = (n, seconds, stats, decode_s, n - len(tokens))
@@ -159,6 +237,7 @@ def main(argv=None) -> None:
 
     rows, speedups, decode_speedups = [], {}, {}
     for (name, b, method), (n, seconds, stats, decode_s, decode_n) in results.items():
+        stats, draft = stats if stats else (None, None)
         base = results.get((name, b, "off"), results[(name, b, method)])
         speed = (n / seconds) / (base[0] / base[1])
         decode_speed = (decode_n / decode_s) / (base[4] / base[3])
@@ -168,10 +247,14 @@ def main(argv=None) -> None:
                                                                   outputs[(name, b, method)]) else "NO"
         acc = f"{stats[1] / stats[0]:.0%}" if stats and stats[0] else "-"
         mean_len = f"{stats[3] / stats[2]:.2f}" if stats and stats[2] else "-"
+        draft_ms = f"{draft[0] * 1000 / draft[1]:.0f}" if draft and draft[1] else "-"
+        predicted = f"{stats[5] / stats[4]:.2f}x" if stats and stats[4] else "-"
         rows.append([name, b, method, n, round(n / seconds, 1), f"{speed:.2f}x",
-                     round(decode_n / decode_s, 1), f"{decode_speed:.2f}x", acc, mean_len, same])
+                     round(decode_n / decode_s, 1), f"{decode_speed:.2f}x", predicted, acc,
+                     mean_len, draft_ms, same])
     print(format_table(["workload", "batch", "method", "tokens", "tok/s", "vs off",
-                        "decode tok/s", "vs off", "acceptance", "mean len", "same"], rows))
+                        "decode tok/s", "vs off", "predicted", "acceptance", "mean len",
+                        "draft ms/tok", "same"], rows))
     print(hardware_line() + f" | threads {threads}")
     parts = [f"{name} b{b} {m} {s:.2f}x (decode {decode_speedups[(name, b, m)]:.2f}x)"
              for (name, b, m), s in speedups.items() if m != "off"]
@@ -179,17 +262,23 @@ def main(argv=None) -> None:
           + ", ".join(parts))
 
 
-def _snapshot(stats):
+def _snapshot(engine):
+    stats = engine.spec_stats
     if stats is None:
         return None
-    return (stats.num_proposed, stats.num_accepted, stats.num_verify_steps, stats.num_emitted)
+    draft = getattr(engine.runner.drafter, "stats", None)
+    return ((stats.num_proposed, stats.num_accepted, stats.num_verify_steps, stats.num_emitted,
+             stats.predicted_cost, stats.plain_cost),
+            (draft.seconds, draft.num_drafts) if draft is not None else None)
 
 
-def _delta(stats, before):
-    if stats is None:
+def _delta(engine, before):
+    now = _snapshot(engine)
+    if now is None:
         return None
-    now = _snapshot(stats)
-    return tuple(a - b for a, b in zip(now, before))
+    spec = tuple(a - b for a, b in zip(now[0], before[0]))
+    draft = tuple(a - b for a, b in zip(now[1], before[1])) if now[1] else None
+    return spec, draft
 
 
 if __name__ == "__main__":

@@ -63,9 +63,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="tokens proposed per step per request")
     g.add_argument("--speculative-draft-model", default=None,
-                   help="draft model path (same tokenizer as the target)")
+                   help="draft model: catalogue name or path (same tokenizer as the target), "
+                        "e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct")
     g.add_argument("--speculative-draft-layers", type=int, default=None,
                    help="self-draft depth (default: a quarter of the target's layers)")
+    g.add_argument("--no-speculative-draft-ngram", dest="speculative_draft_ngram",
+                   action="store_false",
+                   help="draft model: do not check n-gram guesses in its catch-up pass")
+    g.add_argument("--speculative-draft-min-confidence", type=float, default=0.0,
+                   help="draft model: stop a greedy proposal after a draft below this "
+                        "probability (0 = draft all k)")
     g.add_argument("--num-decode-steps", type=int, default=4,
                    help="multi-step decoding: a batch of greedy decodes with nothing waiting "
                         "runs up to this many steps per engine step (tokens stream in groups "
@@ -108,6 +115,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_draft_model=args.speculative_draft_model,
                 speculative_draft_layers=args.speculative_draft_layers,
+                speculative_draft_ngram=args.speculative_draft_ngram,
+                speculative_draft_min_confidence=args.speculative_draft_min_confidence,
                 num_decode_steps=args.num_decode_steps,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,

@@ -76,6 +76,10 @@ class EngineConfig:
     speculative_draft_layers: int | None = None  # self-draft depth; None = num_layers // 4
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
+    # draft model: check an n-gram guess in the draft's catch-up pass (copied spans at the cost
+    # of one draft forward), and stop drafting after a greedy draft below this probability
+    speculative_draft_ngram: bool = True
+    speculative_draft_min_confidence: float = 0.0
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4
@@ -135,6 +139,13 @@ class EngineConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got "
                              f"{self.num_speculative_tokens}")
+        if not 0.0 <= self.speculative_draft_min_confidence < 1.0:
+            raise ValueError(f"speculative_draft_min_confidence must be in [0, 1), got "
+                             f"{self.speculative_draft_min_confidence!r}")
+        if self.speculative_draft_model and self.preemption_mode != "recompute":
+            # swapping moves the target's blocks only; the draft's KV would be lost
+            raise ValueError(f"a speculative draft model needs preemption_mode 'recompute', got "
+                             f"{self.preemption_mode!r}")
         if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
             raise ValueError(f"num_decode_steps must be an integer >= 1, got "
                              f"{self.num_decode_steps!r}")

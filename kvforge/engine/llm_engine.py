@@ -213,7 +213,9 @@ class LLMEngine:
         """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
         if self.spec is not None:
             self.spec.before_schedule(self.scheduler.running)
-        elif self._max_decode_steps > 1:
+        # a step in which nobody speculates (paused: it would not pay) may decode several
+        # tokens per call like an engine without speculation
+        if self._max_decode_steps > 1 and not any(r.spec_token_ids for r in self.scheduler.running):
             plan_decode_steps(self.scheduler.running, self.scheduler.decode_steps_allowed(),
                               self._max_decode_steps, self.max_len_per_request, self.runner.model)
         sched = self.scheduler.schedule()
@@ -298,6 +300,9 @@ class LLMEngine:
     # --------------------------------------------------------------- debug
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        drafter = self.runner.drafter
+        if drafter is not None and hasattr(drafter, "check_integrity"):
+            drafter.check_integrity(self.runner.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:

@@ -49,6 +49,12 @@ class ModelRunner:
         self.model_config = source.config
         self.model = self._load_model(source)
         self.model.eval()
+        # a separate draft model (speculative decoding) keeps its own KV tensors over the same
+        # block ids, so the pool's memory budget pays for both models' bytes per block
+        self.draft_model = None
+        if config.speculative_method == "draft" and config.speculative_draft_model:
+            from kvforge.spec.factory import load_draft_model
+            self.draft_model = load_draft_model(config, source, self.device, self.dtype)
         # the decode stack's weight layout (kernels/decode_stack.py): packed for 1-4 rows per
         # step, row-major when speculation verifies up to 8
         self.model.pack_decode_weights = config.speculative_method in (None, "none")
@@ -64,6 +70,12 @@ class ModelRunner:
         # holds hundreds of tokens, so a decode step rarely waits on a fault (~0.1 ms), while
         # populating the whole default 1 GiB pool cost ~1-8 s of every start and its RSS
         self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
+        self.draft_kv_caches = None
+        if self.draft_model is not None:
+            draft = self.draft_model
+            self.draft_kv_caches = huge_page_zeros(
+                [draft.kv_cache_shape(self.num_blocks, self.block_size)] * draft.num_layers,
+                draft.kv_cache_dtype(), self.device)
         self.sampler = Sampler()
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait
@@ -108,6 +120,8 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+        if self.draft_model is not None:
+            per_block += self.draft_model.kv_cache_bytes_per_block(self.block_size)
         num_blocks = self.config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory!r} holds no KV block "

@@ -26,6 +26,16 @@ Adaptive policy, by what a proposal costs:
   ``min_acceptance`` stops proposing for ``backoff`` steps (doubling each time, up to 64). Worth
   it when proposing costs work of its own (a draft model's forwards); n-gram proposals cost only
   the rows above, so the n-gram decoder sets it to 0.
+* cost model (``cost``, spec/cost.py, measured at start): replaces the row cap and the
+  acceptance floor above. Each request keeps an estimate of its per-token acceptance alpha per
+  proposer (an EMA over its steps). With both an n-gram proposer and a draft model it takes,
+  per step, whichever predicts the higher speedup: the n-gram guess (if there is one) at no
+  draft cost, or the draft model; each at the k with the best predicted speedup for its alpha
+  at this batch size, or neither when nothing beats decoding alone. If even alpha = 1 would
+  not pay (rows cost too much at this batch size) nobody speculates and the history is kept;
+  if only this request's alphas do not pay, it pauses for ``backoff`` steps, then probes again
+  from the prior. A step in which no request speculates may run as a multi-step decode
+  (engine/decode_steps.py): the draft model is lazy and catches up later (spec/draft.py).
 """
 from __future__ import annotations
 
@@ -34,9 +44,12 @@ from dataclasses import dataclass, field
 from kvforge.engine.request import Request
 from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.base import DRAFT_PLACEHOLDER, TokenProposer, is_eligible
+from kvforge.spec.cost import SpecCostModel
 
 _EMA = 0.5            # weight of the newest step in a request's acceptance average
 _MAX_BACKOFF = 64
+_ALPHA_EMA = 0.3      # weight of the newest step in a request's per-token acceptance estimate
+_ALPHA_PRIOR = 0.8    # what a request that has not speculated yet is assumed to accept
 
 
 @dataclass
@@ -45,6 +58,11 @@ class SpecStats:
     num_proposed: int = 0
     num_accepted: int = 0
     num_emitted: int = 0             # accepted + the target's own token, per verify step
+    num_ngram_steps: int = 0         # verify steps whose proposal was an n-gram guess
+    # the cost model's account of decode steps, in single-row target forwards (cost model only):
+    # what they cost with speculation, and what their tokens would cost one per step
+    predicted_cost: float = 0.0
+    plain_cost: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,26 +73,45 @@ class SpecStats:
         """Tokens a speculating request gains per step (1 = speculation saved nothing)."""
         return self.num_emitted / self.num_verify_steps if self.num_verify_steps else 0.0
 
+    @property
+    def predicted_speedup(self) -> float:
+        """Decode speed-up the cost model predicts for the steps run so far."""
+        return self.plain_cost / self.predicted_cost if self.predicted_cost else 1.0
+
 
 @dataclass
 class _History:
     k: int                       # this request's proposal length now
     ema: float = 1.0
+    alpha: float = _ALPHA_PRIOR          # per-token acceptance of the draft model's proposals
+    alpha_ngram: float = _ALPHA_PRIOR    # ... of n-gram guesses
     skip_steps: int = 0
     backoff: int = 4
+    draft_skip_steps: int = 0            # the draft model alone paused (n-gram guesses go on)
+    draft_backoff: int = 4
+    source: str = ""                     # the proposer of the step in flight: ngram | draft
 
 
 @dataclass
 class SpecDecoder:
     num_speculative_tokens: int
-    token_proposer: TokenProposer | None       # None: a DraftProposer fills slots later
+    token_proposer: TokenProposer | None       # n-gram guesses; None: only a DraftProposer
     max_len_per_request: int
     disable_batch_size: int = 32
     min_acceptance: float = 0.2
     max_verify_rows: int | None = None
     min_proposal: int = 2
+    cost: SpecCostModel | None = None
+    # a DraftProposer fills placeholder slots after scheduling (None: when there is no
+    # token_proposer); with both, n-gram guesses go first (cost model: whichever pays more)
+    model_drafts: bool | None = None
+    # the drafter's DraftStats: how many drafts needed a draft forward, its passes and rows
+    draft_stats: object | None = None
+    # a cost model that only accounts (stats.predicted_speedup), e.g. for a decoder without one
+    report_cost: SpecCostModel | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     _history: dict[str, _History] = field(default_factory=dict)
+    _draft_seen: tuple[int, int] = (0, 0)      # draft (passes, rows) already accounted
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -82,6 +119,10 @@ class SpecDecoder:
                              f"{self.num_speculative_tokens!r}")
         if self.max_verify_rows is not None and self.max_verify_rows < 2:
             raise ValueError(f"max_verify_rows must be >= 2 or None, got {self.max_verify_rows!r}")
+        if self.model_drafts is None:
+            self.model_drafts = self.token_proposer is None
+        if not self.model_drafts and self.token_proposer is None:
+            raise ValueError("a SpecDecoder needs a token proposer or a draft model")
 
     def before_schedule(self, running: list[Request]) -> None:
         decoding = [r for r in running if r.num_remaining_tokens == 1]
@@ -90,9 +131,14 @@ class SpecDecoder:
             per_request = min(per_request,
                               (self.max_verify_rows - len(decoding)) // len(decoding))
         active = len(decoding) <= self.disable_batch_size and per_request > 0
+        fraction = self._model_fraction()
+        if self.cost is not None and decoding:
+            # would a perfect proposer pay at this batch size? (its k rows cost the same)
+            active = active and self.cost.best_k(1.0, per_request, len(decoding), 0.0) > 0
         live_ids = set()
         for req in running:
             req.spec_token_ids = []
+            req.num_lookahead_tokens = 0
         for req in decoding:
             live_ids.add(req.request_id)
             if not active or not is_eligible(req):
@@ -105,10 +151,36 @@ class SpecDecoder:
             k = min(hist.k, per_request, self._max_proposal(req))
             if k <= 0:
                 continue
-            if self.token_proposer is None:
-                req.spec_token_ids = [DRAFT_PLACEHOLDER] * k
-            else:
-                req.spec_token_ids = self.token_proposer.propose(req.all_token_ids, k)
+            guess = (self.token_proposer.propose(req.all_token_ids, k)
+                     if self.token_proposer is not None else [])
+            if self.cost is None:
+                if guess or not self.model_drafts:
+                    req.spec_token_ids, hist.source = guess, "ngram"
+                else:
+                    req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * k, "draft"
+                continue
+            batch = len(decoding)
+            ngram_k, ngram_gain = (self.cost.best(hist.alpha_ngram, len(guess), batch, 0.0)
+                                   if guess else (0, 1.0))
+            draft_k, draft_gain = 0, 1.0
+            if self.model_drafts and hist.draft_skip_steps > 0:
+                hist.draft_skip_steps -= 1
+            elif self.model_drafts:
+                draft_k, draft_gain = self.cost.best(hist.alpha, k, batch, fraction)
+                if not draft_k and self.cost.best_k(1.0, k, batch, fraction):
+                    # its acceptance, not its price, is what does not pay: pause the draft
+                    # model for this request (n-gram guesses go on), then probe again
+                    hist.draft_skip_steps = hist.draft_backoff
+                    hist.draft_backoff = min(hist.draft_backoff * 2, _MAX_BACKOFF)
+                    hist.alpha = _ALPHA_PRIOR
+            if ngram_k and ngram_gain >= draft_gain:
+                req.spec_token_ids, hist.source = guess[:ngram_k], "ngram"
+            elif draft_k:
+                req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * draft_k, "draft"
+            elif guess and self.cost.best_k(1.0, len(guess), batch, 0.0):
+                # the guesses' acceptance does not pay now: pause, then probe from the prior
+                self._pause(hist)
+                hist.alpha_ngram = _ALPHA_PRIOR
         for rid in [rid for rid in self._history if rid not in live_ids]:
             del self._history[rid]
 
@@ -121,6 +193,8 @@ class SpecDecoder:
         return k
 
     def record(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        if (self.cost or self.report_cost) is not None:
+            self._account(self.cost or self.report_cost, sched, sampled)
         for rid, drafts in sched.spec_token_ids.items():
             tokens = sampled.get(rid)
             if not drafts or not tokens:
@@ -137,8 +211,57 @@ class SpecDecoder:
                 hist.k = self.num_speculative_tokens
             elif accepted == 0:
                 hist.k = max(min(self.min_proposal, self.num_speculative_tokens), hist.k // 2)
+            # per-token acceptance seen this step: `accepted` successes, then one failure
+            # unless the whole proposal went through
+            seen = accepted / (accepted + (accepted < len(drafts)))
+            if hist.source == "ngram":
+                self.stats.num_ngram_steps += 1
+                hist.alpha_ngram = (1 - _ALPHA_EMA) * hist.alpha_ngram + _ALPHA_EMA * seen
+            else:
+                hist.alpha = (1 - _ALPHA_EMA) * hist.alpha + _ALPHA_EMA * seen
             hist.ema = (1 - _EMA) * hist.ema + _EMA * accepted / len(drafts)
-            if hist.ema < self.min_acceptance:
-                hist.skip_steps = hist.backoff
-                hist.backoff = min(hist.backoff * 2, _MAX_BACKOFF)
+            if self.cost is None and hist.ema < self.min_acceptance:
+                self._pause(hist)
                 hist.ema = 1.0           # retry with a clean slate after the pause
+
+    def _account(self, cost: SpecCostModel, sched: SchedulerOutput,
+                 sampled: dict[str, list[int]]) -> None:
+        """Add the step's predicted cost, and what its tokens would cost one per step, to the
+        stats (decode requests only: prefill is the same with and without speculation)."""
+        draft_cost = 0.0
+        if self.draft_stats is not None and cost.draft is not None:
+            passes, rows = self.draft_stats.num_passes, self.draft_stats.num_rows
+            seen_passes, seen_rows = self._draft_seen
+            draft_cost = (cost.draft.fixed * (passes - seen_passes)
+                          + cost.draft.per_row * (rows - seen_rows))
+            self._draft_seen = (passes, rows)
+        rows = emitted = num_decodes = 0
+        steps = 1
+        for req in sched.scheduled:
+            rid = req.request_id
+            ahead = len(sched.spec_token_ids.get(rid, ())) + sched.num_lookahead_tokens.get(rid, 0)
+            if not sampled.get(rid) or sched.num_scheduled_tokens[rid] != 1 + ahead:
+                continue
+            num_decodes += 1
+            rows += 1 + len(sched.spec_token_ids.get(rid, ()))
+            emitted += len(sampled[rid])
+            steps = max(steps, 1 + sched.num_lookahead_tokens.get(rid, 0))
+        if not num_decodes:
+            return
+        if steps > 1:                            # a multi-step decode: the same either way
+            self.stats.predicted_cost += steps * cost.target(num_decodes)
+            self.stats.plain_cost += steps * cost.target(num_decodes)
+            return
+        self.stats.predicted_cost += cost.target(rows) + draft_cost
+        self.stats.plain_cost += emitted * cost.target(num_decodes) / num_decodes
+
+    @staticmethod
+    def _pause(hist: _History) -> None:
+        hist.skip_steps = hist.backoff
+        hist.backoff = min(hist.backoff * 2, _MAX_BACKOFF)
+
+    def _model_fraction(self) -> float:
+        stats = self.draft_stats
+        if stats is None or not stats.num_drafts:
+            return 1.0
+        return stats.num_model_drafts / stats.num_drafts

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from kvforge.kernels import ops as kernel_ops
+from kvforge.spec.cost import calibrate
 from kvforge.spec.decoder import SpecDecoder
 from kvforge.spec.draft import ModelDraftProposer
 from kvforge.spec.ngram import NgramProposer
@@ -14,6 +15,7 @@ from kvforge.spec.self_draft import SelfDraftModel
 logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATION_MIN_GAIN = 1.25
 
 
 def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder | None:
@@ -29,32 +31,86 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
             config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request,
             min_acceptance=0.0, max_verify_rows=max_rows)
     target = runner.model
-    if config.speculative_draft_model:
-        runner.drafter = _load_draft_model(config, runner)
-    else:
+    if runner.draft_model is None:
         layers = config.speculative_draft_layers or max(1, target.num_layers // 4)
         runner.drafter = ModelDraftProposer(SelfDraftModel(target, layers), runner.block_size,
                                             runner.device)
         logger.info("self-draft: first %d of %d layers", layers, target.num_layers)
-    return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
-                       max_verify_rows=max_rows)
+        return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
+                           max_verify_rows=max_rows)
+    ngram = (NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+             if config.speculative_draft_ngram else None)
+    runner.drafter = ModelDraftProposer(runner.draft_model, runner.block_size, runner.device,
+                                        own_kv_caches=runner.draft_kv_caches, ngram=ngram,
+                                        min_confidence=config.speculative_draft_min_confidence)
+    # a draft model's tokens cost forwards of their own and GGUF verification rows are not
+    # free: k per request from the measured costs (spec/cost.py), no fixed row cap
+    cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches, logits_rows=None),
+                     _timed_forward(runner, runner.draft_model, runner.draft_kv_caches,
+                                    logits_rows=1),
+                     # measured on the Qwen2.5-Coder pair (docs/speculative.md), speculation
+                     # ran ~25% below the model's prediction (per-step overheads it does not
+                     # price, rows slower under load): speculate only where it predicts more
+                     min_gain=SPECULATION_MIN_GAIN)
+    logger.info("speculation costs (single-row target forwards): target %.2f + %.2f/row, "
+                "draft %.2f + %.2f/row", cost.target.fixed, cost.target.per_row,
+                cost.draft.fixed, cost.draft.per_row)
+    # n-gram guesses first where they pay more (no draft forward); the draft model elsewhere
+    return SpecDecoder(config.num_speculative_tokens, ngram, max_len_per_request, cost=cost,
+                       model_drafts=True, draft_stats=runner.drafter.stats)
 
 
-def _load_draft_model(config, runner) -> ModelDraftProposer:
-    """A separate draft (same tokenizer/vocabulary) with its own KV tensors over the same blocks."""
+def _timed_forward(runner, model, kv_caches, logits_rows: int | None):
+    """forward(rows): one sequence of ``rows`` new tokens after 64 cached ones, in blocks of the
+    pool that nothing holds yet (the engine has not started; the slots are rewritten before
+    any request reads them), then the LM head over the last ``logits_rows`` rows (None: all of
+    them, as verification does)."""
+    from kvforge.attention.metadata import AttentionMetadata
+    context = 64
+    needed = (context + 16) // runner.block_size + 1
+    table = list(range(min(needed, runner.num_blocks)))
+    context = min(context, len(table) * runner.block_size - 16)
+
+    def forward(rows: int):
+        meta = AttentionMetadata.build([rows], [context], [table], runner.block_size,
+                                       runner.device)
+        ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)
+        hidden = model(ids, meta.positions(), kv_caches, meta)
+        return model.compute_logits(hidden if logits_rows is None else hidden[-logits_rows:])
+    return forward
+
+
+def load_draft_model(config, target_source, device: torch.device, dtype: torch.dtype):
+    """The separate draft model, quantized like the target would be (``--quantization``:
+    a GGUF file runs in its own blocks), after checking that it speaks the target's
+    vocabulary: every draft token id is verified as the target's token of the same id."""
     from kvforge.loader.source import load_model_source
     from kvforge.quant.loading import load_model
-    source = load_model_source(config.speculative_draft_model)
-    if source.config.vocab_size != runner.model_config.vocab_size:
-        raise ValueError(f"draft model {config.speculative_draft_model!r} has vocabulary "
-                         f"{source.config.vocab_size}, the target {runner.model_config.vocab_size}")
-    draft = load_model(source, attn_backend=config.attention_backend, dtype=runner.dtype,
-                       device=runner.device)
+    name = config.speculative_draft_model
+    source = load_model_source(name)
+    check_same_vocabulary(name, source, target_source)
+    draft = load_model(source, quantization=config.quantization,
+                       quantization_args=config.quantization_args,
+                       attn_backend=config.attention_backend, dtype=dtype, device=device)
     draft.eval()
-    shape = draft.kv_cache_shape(runner.num_blocks, runner.block_size)
-    dtype = draft.kv_cache_dtype() if hasattr(draft, "kv_cache_dtype") else runner.dtype
-    caches = [torch.zeros(shape, dtype=dtype, device=runner.device)
-              for _ in range(draft.num_layers)]
-    logger.info("draft model %s: %d layers, own KV cache over the target's %d blocks",
-                config.speculative_draft_model, draft.num_layers, runner.num_blocks)
-    return ModelDraftProposer(draft, runner.block_size, runner.device, own_kv_caches=caches)
+    logger.info("draft model %s: %d layers", name, draft.num_layers)
+    return draft
+
+
+def check_same_vocabulary(name: str, draft_source, target_source) -> None:
+    """ValueError naming the draft and the first difference unless both models have the same
+    embedding rows and their tokenizers map every id to the same token."""
+    d_rows, t_rows = draft_source.config.vocab_size, target_source.config.vocab_size
+    if d_rows != t_rows:
+        raise ValueError(f"draft model {name!r} has a vocabulary of {d_rows} tokens, the target "
+                         f"{t_rows}: a draft must share the target's tokenizer")
+    d_tok, t_tok = draft_source.load_tokenizer(), target_source.load_tokenizer()
+    if d_tok.vocab_size != t_tok.vocab_size:
+        raise ValueError(f"draft model {name!r}: its tokenizer has {d_tok.vocab_size} tokens, "
+                         f"the target's {t_tok.vocab_size}")
+    ids = range(t_tok.vocab_size)
+    d_tokens, t_tokens = d_tok.convert_ids_to_tokens(ids), t_tok.convert_ids_to_tokens(ids)
+    if d_tokens != t_tokens:
+        i = next(i for i, (a, b) in enumerate(zip(d_tokens, t_tokens)) if a != b)
+        raise ValueError(f"draft model {name!r}: token id {i} is {d_tokens[i]!r} in its "
+                         f"tokenizer but {t_tokens[i]!r} in the target's")

@@ -28,6 +28,7 @@ def _run(path, num_kv_blocks=256, prompts=None, params=None, **engine_kwargs):
     if llm.engine.spec is not None:
         llm.engine.spec.min_acceptance = 0.0      # keep proposing: exercise verification
         llm.engine.spec.max_verify_rows = None    # ... at every batch size
+        llm.engine.spec.cost = None               # ... whatever the measured costs say
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
     llm.engine.check_integrity()
@@ -84,7 +85,8 @@ def test_draft_model_is_its_own_target_accepts_everything(tiny):
     preemption, which only holds if the draft's cache keeps up with every step."""
     path, baseline = tiny
     tokens, outs, engine = _run(path, num_kv_blocks=18, speculative_method="draft",
-                                speculative_draft_model=path, num_speculative_tokens=3)
+                                speculative_draft_model=path, num_speculative_tokens=3,
+                                speculative_draft_ngram=False)
     assert tokens == baseline
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     stats = engine.spec_stats

@@ -105,7 +105,9 @@ def test_draft_model_rejection_sampling_matches_target_distribution(tiny_model_f
     assert 0.5 * float((p - q).abs().sum()) > 0.2, (p, q)    # total variation: they disagree
     llm = LLM(path, block_size=4, num_kv_blocks=4096, max_num_seqs=NUM_SAMPLES,
               max_num_batched_tokens=16384, speculative_method="draft",
-              speculative_draft_model=draft_path, num_speculative_tokens=2)
+              speculative_draft_model=draft_path, num_speculative_tokens=2,
+              speculative_draft_ngram=False)
+    llm.engine.spec.cost = None     # draft every step, whatever the measured costs say
     drafter = llm.engine.runner.drafter
     propose, num_q_rows = drafter.propose, []
 

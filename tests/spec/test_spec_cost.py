@@ -1,0 +1,148 @@
+"""The speculation cost model (spec/cost.py) and the SpecDecoder policy it drives: k per request
+from its acceptance, n-gram vs draft model, pausing where nothing pays (unit level, no model)."""
+from __future__ import annotations
+
+import pytest
+
+from kvforge.sched.output import SchedulerOutput
+from kvforge.spec.base import DRAFT_PLACEHOLDER
+from kvforge.spec.cost import ForwardCost, SpecCostModel, expected_tokens
+from kvforge.spec.decoder import SpecDecoder
+from kvforge.spec.draft import DraftStats
+from tests.spec.test_spec_policy import Repeat, decoding
+
+FREE_ROWS = ForwardCost(fixed=1.0, per_row=0.0)          # memory-bound: rows cost nothing
+GGUF_ROWS = ForwardCost(fixed=0.6, per_row=0.4)          # measured shape of the 1.5B Q4_K_M
+
+
+def test_forward_cost_from_timings_and_validation():
+    cost = ForwardCost.from_timings(one_row=0.10, rows=4, many_rows=0.22)
+    assert cost.per_row == pytest.approx(0.04) and cost.fixed == pytest.approx(0.06)
+    assert cost(4) == pytest.approx(0.22)
+    with pytest.raises(ValueError, match="per_row"):
+        ForwardCost(fixed=1.0, per_row=-0.1)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_free_rows_and_free_drafts_take_the_longest_proposal():
+    model = SpecCostModel(FREE_ROWS)
+    assert model.best_k(0.9, 7) == 7
+    assert model.speedup(0.9, 7) == pytest.approx(expected_tokens(0.9, 7))
+
+
+def test_costly_rows_choose_a_short_proposal_and_none_at_low_acceptance():
+    model = SpecCostModel(GGUF_ROWS)
+    k = model.best_k(0.9, 7)
+    assert 1 <= k < 7
+    assert model.speedup(0.9, k) > 1.0
+    assert model.best_k(0.3, 7) == 0                   # 1.3 tokens for 1.4 step costs
+
+
+def test_a_draft_model_costing_half_a_step_per_token_barely_pays_with_costly_rows():
+    # the bound: even alpha = 1 emits k + 1 tokens for 1 + 0.4 k + 0.5 k < 1.11x
+    model = SpecCostModel(GGUF_ROWS, ForwardCost(fixed=0.34, per_row=0.16))
+    assert model.best(1.0, 7)[1] == pytest.approx(8 / (1 + 0.9 * 7))
+    assert model.best_k(0.8, 7) == 0
+    # ... while n-gram guesses (no draft forward) with the same rows still do
+    assert model.best_k(1.0, 7, model_fraction=0.0) > 0
+
+
+def test_larger_batches_shrink_k_until_nothing_pays():
+    model = SpecCostModel(GGUF_ROWS)
+    ks = [model.best_k(0.9, 7, batch=b) for b in (1, 2, 4, 8, 32)]
+    assert ks == sorted(ks, reverse=True)
+    assert ks[0] > 0 and ks[-1] == 0
+
+
+def _step(spec, reqs, accepted):
+    spec.before_schedule(reqs)
+    sched = SchedulerOutput(spec_token_ids={r.request_id: list(r.spec_token_ids) for r in reqs})
+    sampled = {r.request_id: [7] * accepted + [9] for r in reqs}
+    spec.record(sched, sampled)
+    return sched.spec_token_ids
+
+
+def test_decoder_k_follows_acceptance_and_pauses_then_probes():
+    spec = SpecDecoder(7, Repeat(), 1000, cost=SpecCostModel(GGUF_ROWS))
+    reqs = decoding(1)
+    lengths = [len(_step(spec, reqs, accepted=0).get("r0", [])) for _ in range(30)]
+    assert lengths[0] > 0, "the prior acceptance must be worth a first proposal"
+    # every draft rejected: proposals shrink, stop, and come back after ever longer pauses
+    probes = [i for i in range(1, 30) if lengths[i] and not lengths[i - 1]]
+    assert len(probes) >= 2, lengths
+    gaps = [b - a for a, b in zip([0] + probes, probes)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], lengths
+    assert lengths.count(0) > 30 // 2, lengths
+
+
+def test_decoder_prefers_ngram_guesses_over_a_draft_model_that_costs_forwards():
+    draft_cost = ForwardCost(fixed=0.05, per_row=0.05)
+    spec = SpecDecoder(4, Repeat(), 1000, cost=SpecCostModel(FREE_ROWS, draft_cost),
+                       model_drafts=True, draft_stats=DraftStats())
+    reqs = decoding(1)
+    assert _step(spec, reqs, accepted=4)["r0"] == [7] * 4     # the guess, not placeholders
+    # guesses that keep failing, drafts that are all accepted: it switches to the draft model
+    sources = []
+    for _ in range(6):
+        spec.before_schedule(reqs)
+        proposal = list(reqs[0].spec_token_ids)
+        from_draft = proposal[0] == DRAFT_PLACEHOLDER
+        sources.append("draft" if from_draft else "ngram")
+        accepted = len(proposal) if from_draft else 0
+        spec.record(SchedulerOutput(spec_token_ids={"r0": proposal}),
+                    {"r0": [7] * accepted + [9]})
+    assert sources[-3:] == ["draft"] * 3, sources
+
+
+def test_nobody_speculates_where_even_perfect_guesses_do_not_pay():
+    spec = SpecDecoder(7, Repeat(), 1000, cost=SpecCostModel(GGUF_ROWS))
+    assert not any(_step(spec, decoding(32), accepted=0).values())
+    assert all(h.backoff == 4 for h in spec._history.values()), "batch size is not the requests' fault"
+
+
+def test_accounting_predicts_the_speedup_of_the_steps_run():
+    spec = SpecDecoder(3, Repeat(), 1000, report_cost=SpecCostModel(GGUF_ROWS))
+    reqs = decoding(1)
+    spec.before_schedule(reqs)
+    sched = SchedulerOutput(scheduled=reqs, num_scheduled_tokens={"r0": 4},
+                            spec_token_ids={"r0": list(reqs[0].spec_token_ids)})
+    spec.record(sched, {"r0": [7, 7, 9]})                 # 2 of 3 accepted + the target's
+    # cost: one 4-row forward = 0.6 + 1.6; plain: 3 tokens at one step each
+    assert spec.stats.predicted_cost == pytest.approx(2.2)
+    assert spec.stats.plain_cost == pytest.approx(3.0)
+    assert spec.stats.predicted_speedup == pytest.approx(3.0 / 2.2)
+
+
+class Switch(Repeat):
+    """No guess until ``on`` is set, then Repeat's."""
+    on = False
+
+    def propose(self, token_ids, max_tokens):
+        return super().propose(token_ids, max_tokens) if self.on else []
+
+
+def test_a_paused_draft_model_does_not_stop_ngram_guesses():
+    proposer = Switch()
+    spec = SpecDecoder(4, proposer, 1000, model_drafts=True, draft_stats=DraftStats(),
+                       cost=SpecCostModel(GGUF_ROWS, ForwardCost(fixed=0.05, per_row=0.05)))
+    reqs = decoding(1)
+    proposals = [_step(spec, reqs, accepted=0)["r0"]]
+    while proposals[-1] and len(proposals) < 10:
+        proposals.append(_step(spec, reqs, accepted=0)["r0"])
+    assert proposals[0] and proposals[0][0] == DRAFT_PLACEHOLDER
+    assert not proposals[-1], f"rejected drafts must pause the draft model: {proposals}"
+    proposer.on = True                  # the very next step, the draft still paused
+    assert _step(spec, reqs, accepted=0)["r0"][0] == 7, "the guess goes on while it pauses"
+
+
+def test_min_gain_keeps_marginal_predictions_from_speculating():
+    assert SpecCostModel(GGUF_ROWS).best_k(0.7, 7) > 0            # predicts ~1.1x
+    assert SpecCostModel(GGUF_ROWS, min_gain=1.25).best_k(0.7, 7) == 0
+    assert SpecCostModel(GGUF_ROWS, min_gain=1.25).best_k(0.9, 7) > 0
+    with pytest.raises(ValueError, match="min_gain"):
+        SpecCostModel(GGUF_ROWS, min_gain=0.9)
