@@ -3,23 +3,12 @@ measured in the same process as the benchmark so the ratios are against the same
 from __future__ import annotations
 
 import os
-import platform
 import time
 
 import torch
 
 from kvforge.kernels.huge_pages import huge_page_bytes, huge_page_zeros
-
-
-def cpu_model_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
-    try:
-        with open(cpuinfo_path, encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+from kvforge.kernels.isa import cpu_model_name  # noqa: F401 (re-exported for the scripts)
 
 
 def physical_cores() -> int:

@@ -45,6 +45,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name ("AMD EPYC 7B12"), or what the platform module knows."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 

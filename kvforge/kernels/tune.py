@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels import _build_dir, cpu_kernels, kernels_enabled
-from kvforge.kernels.isa import selected_isa
+from kvforge.kernels.isa import cpu_model_name, selected_isa
 
 logger = logging.getLogger(__name__)
 
@@ -160,22 +160,10 @@ class ShapeTuning:
 
 # ---- what is tuned here ------------------------------------------------------------------------
 
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def _machine_key(threads: int) -> dict:
     """What a cached choice depends on: CPU model, kernel build (ISA + sources), torch, threads."""
     isa = selected_isa()
-    return {"version": CACHE_VERSION, "cpu": _cpu_model_name(), "isa": isa,
+    return {"version": CACHE_VERSION, "cpu": cpu_model_name(), "isa": isa,
             "build": _build_dir(isa).name, "torch": torch.__version__, "threads": threads}
 
 

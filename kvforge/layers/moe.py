@@ -74,6 +74,15 @@ class ExpertsMethod(ABC):
     def expert_forward(self, layer: "FusedMoE", expert_id: int, x: torch.Tensor) -> torch.Tensor: ...
 
 
+def check_expert_shape(layer: "FusedMoE", expert_id: int, shard: str, loaded) -> None:
+    """One expert's HF tensor must be [I, H] (gate / up) or [H, I] (down)."""
+    h, i = layer.hidden_size, layer.intermediate_size
+    expected = (h, i) if shard == "down" else (i, h)
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, "
+                         f"expected {expected}")
+
+
 class UnquantizedExpertsMethod(ExpertsMethod):
     """Float ``w13`` [E, 2I, H] and ``w2`` [E, H, I]; ``x @ w13[e].T`` -> act -> ``@ w2[e].T``."""
 
@@ -85,11 +94,8 @@ class UnquantizedExpertsMethod(ExpertsMethod):
                                 requires_grad=False)
 
     def load_expert(self, layer, expert_id, shard, loaded):
-        h, i = layer.hidden_size, layer.intermediate_size
-        expected = (h, i) if shard == "down" else (i, h)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, "
-                             f"expected {expected}")
+        check_expert_shape(layer, expert_id, shard, loaded)
+        i = layer.intermediate_size
         if shard == "down":
             layer.w2[expert_id].copy_(loaded)
         else:

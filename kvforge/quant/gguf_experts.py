@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kernels import cpu_kernels
-from kvforge.layers.moe import ExpertsMethod
+from kvforge.layers.moe import ExpertsMethod, check_expert_shape
 
 
 class GGUFExpertsMethod(ExpertsMethod):
@@ -27,11 +27,7 @@ class GGUFExpertsMethod(ExpertsMethod):
 
     def load_expert(self, layer, expert_id, shard, loaded):
         from kvforge.quant.gguf import GGUFBlocks
-        h, i = layer.hidden_size, layer.intermediate_size
-        expected = (h, i) if shard == "down" else (i, h)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, "
-                             f"expected {expected}")
+        check_expert_shape(layer, expert_id, shard, loaded)
         if not isinstance(loaded, GGUFBlocks):
             loaded = GGUFBlocks.from_float(loaded, f"<expert {expert_id} {shard}>")
         layer._gguf_expert_blocks[(expert_id, shard)] = loaded

@@ -26,18 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.layers.moe import ExpertsMethod, FusedMoE
+from kvforge.layers.moe import ExpertsMethod, FusedMoE, check_expert_shape
 from kvforge.quant import packing
 from kvforge.quant.int4 import Int4Blocks
 from kvforge.quant.int8 import Int8Rows
-
-
-def _check_expert_shape(layer: FusedMoE, expert_id: int, shard: str, loaded) -> None:
-    h, i = layer.hidden_size, layer.intermediate_size
-    expected = (h, i) if shard == "down" else (i, h)
-    if tuple(loaded.shape) != expected:
-        raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, "
-                         f"expected {expected}")
 
 
 def _check_cpu(device, scheme: str) -> None:
@@ -59,7 +51,7 @@ class Int8ExpertsMethod(ExpertsMethod):
         layer.out_dtype = dtype
 
     def load_expert(self, layer, expert_id, shard, loaded):
-        _check_expert_shape(layer, expert_id, shard, loaded)
+        check_expert_shape(layer, expert_id, shard, loaded)
         if isinstance(loaded, Int8Rows):
             q, scale = loaded.q, loaded.scale
         else:
@@ -114,7 +106,7 @@ class Int4ExpertsMethod(ExpertsMethod):
         layer.out_dtype = dtype
 
     def load_expert(self, layer, expert_id, shard, loaded):
-        _check_expert_shape(layer, expert_id, shard, loaded)
+        check_expert_shape(layer, expert_id, shard, loaded)
         if isinstance(loaded, Int4Blocks):
             if loaded.group_size != self.group_size:
                 raise ValueError(f"int4 blocks with group {loaded.group_size} do not fit experts "
