@@ -507,10 +507,12 @@ def model_linear_shapes(model: torch.nn.Module, max_rows: int, head_rows: int
             continue
         method = module.method
         rows = head_rows if module is head else max_rows
+        # an offloaded model's streamed layers hold no weight between steps: not tuned
+        weight = getattr(module, "weight", None)
         if type(method) is PackedLinearMethod:
             shapes.append((module.input_size, module.output_size, True, rows))
-        elif (type(method) is UnquantizedLinearMethod and module.weight.dtype == torch.float32
-              and module.weight.device.type == "cpu"):
+        elif (type(method) is UnquantizedLinearMethod and weight is not None
+              and weight.dtype == torch.float32 and weight.device.type == "cpu"):
             shapes.append((module.input_size, module.output_size, False, rows))
     merged: dict[tuple[int, int, bool], int] = {}
     for in_f, out_f, packed, rows in shapes:     # a shape shared with the head: the most rows
