@@ -19,7 +19,6 @@
 //                               up to 16x finer than the super-block's outlier would give them
 //     pow2_32  int16 [K/256, 16] 2^shift of 32-block j in lanes j and 8 + j (Q4_K / Q5_K's
 //                               scale layout: sub-block j's scale in lane j of each half)
-//     pow2_16  int16 [K / 16]   2^shift of each 16's 32-block (Q6_K's layout: a scale per 16)
 //     bsum16   int16 [K / 16]   sum(q) << shift of each 16 (in units): what Q6_K's zero point
 //                               multiplies (|.| <= 16 * 127 * 16 = 32512: fits)
 //     sum32    float [K / 32]   step * sum(q) of each 32: what Q4_K / Q5_K's mins multiply
@@ -62,7 +61,7 @@ struct ActRow {
   const float *dv, *s16, *s32;
   const int8_t* q256;               // power-of-two steps per 32 under a unit per 256
   const float* unit256;
-  const int16_t *pow2_32, *pow2_16;
+  const int16_t* pow2_32;
   const int16_t* bsum16;
   const float* sum32;
 };
@@ -71,7 +70,7 @@ struct GgufActivations {
   int64_t k = 0;
   std::vector<int8_t> q, q256;
   std::vector<float> dv, s16, s32, unit256, sum32;
-  std::vector<int16_t> bsum16, pow2_32, pow2_16;
+  std::vector<int16_t> bsum16, pow2_32;
 
   void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
                 bool per_256) {
@@ -87,7 +86,7 @@ struct GgufActivations {
       views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
                   s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
                   q256.data() + m * k,        unit256.data() + m * (k / 256),
-                  pow2_32.data() + m * (k / 256) * 16, pow2_16.data() + m * (k / 16),
+                  pow2_32.data() + m * (k / 256) * 16,
                   bsum16.data() + m * (k / 16),
                   sum32.data() + m * (k / 32)};
     return views.data();
@@ -121,7 +120,6 @@ struct GgufActivations {
     q256.resize(rows * k);
     unit256.resize(rows * k / 256);
     pow2_32.resize(rows * k / 256 * 16);
-    pow2_16.resize(rows * k / 16);
     bsum16.resize(rows * k / 16);
     sum32.resize(rows * k / 32);
     for (int64_t r = 0; r < rows; ++r)
@@ -130,7 +128,6 @@ struct GgufActivations {
         int8_t* out = q256.data() + r * k + 256 * sb;
         int16_t* bsum = bsum16.data() + r * (k / 16) + 16 * sb;
         int16_t* p32 = pow2_32.data() + (r * (k / 256) + sb) * 16;
-        int16_t* p16 = pow2_16.data() + r * (k / 16) + 16 * sb;
         float block_max[8], amax = 0.f;
         for (int j = 0; j < 8; ++j) amax = std::max(amax, block_max[j] = abs_max_32(v + 32 * j));
         const float coarsest = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -146,7 +143,7 @@ struct GgufActivations {
           sum32[r * (k / 32) + 8 * sb + j] = std::ldexp(coarsest, -e) * static_cast<float>(lo + hi);
           bsum[2 * j] = static_cast<int16_t>(lo * pow2);
           bsum[2 * j + 1] = static_cast<int16_t>(hi * pow2);
-          p32[j] = p32[8 + j] = p16[2 * j] = p16[2 * j + 1] = pow2;
+          p32[j] = p32[8 + j] = pow2;
         }
       }
   }
@@ -232,13 +229,13 @@ void k_dot_via_codes(const uint8_t* row, int64_t k, const ActRow* acts, int64_t 
     unpack_k_block(Type, row + kBytes * sb, blk);
     for (int64_t m = 0; m < rows; ++m) {
       const int8_t* x = acts[m].q256 + 256 * sb;
-      const int16_t* pow2 = acts[m].pow2_16 + 16 * sb;
+      const int16_t* pow2 = acts[m].pow2_32 + 16 * sb;     // of 32-block j: lane j
       int64_t sumi = 0;
       float mins = 0.f;
       for (int i = 0; i < 16; ++i) {
         int32_t dot16 = 0;
         for (int j = 16 * i; j < 16 * i + 16; ++j) dot16 += blk.q[j] * x[j];
-        sumi += int64_t{blk.scale[i]} * pow2[i] * dot16;
+        sumi += int64_t{blk.scale[i]} * pow2[i / 2] * dot16;
       }
       for (int i = 0; i < 8; ++i)       // min per 32 (Q6_K: 0)
         mins += blk.dmin * static_cast<float>(blk.min[2 * i]) * acts[m].sum32[8 * sb + i];
@@ -316,6 +313,12 @@ inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
   return _mm256_madd_epi16(
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
       scale);
+}
+// pow2_32's layout [p0..p7 | p0..p7] as Q6_K's scales take it, one per 16 weights:
+// [p0 p0 p1 p1 .. p3 p3 | p4 p4 .. p7 p7]
+inline __m256i per_16(__m256i pow2) {
+  return _mm256_blend_epi32(_mm256_unpacklo_epi16(pow2, pow2), _mm256_unpackhi_epi16(pow2, pow2),
+                            0xF0);
 }
 // 32 nibbles of 16 bytes: byte j -> codes j (low nibble) and j + 16 (high nibble)
 inline __m256i nibbles_32(const uint8_t* p) {
@@ -532,7 +535,7 @@ struct Q6KKernel {
       for (int r = 0; r < R; ++r) {
         sum[r] = sum_odd[r] = _mm256_setzero_si256();
         const __m256i scaled = _mm256_mullo_epi16(
-            sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].pow2_16 + 16 * sb)));
+            sc, per_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].pow2_32 + 16 * sb))));
         halves[0][r] = _mm256_permute2x128_si256(scaled, scaled, 0x00);
         halves[1][r] = _mm256_permute2x128_si256(scaled, scaled, 0x11);
       }
