@@ -73,6 +73,25 @@ class GGUFBlocks:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
 
+def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
+    """What multiplies by shards ``blocks`` (one output row range each): the compiled
+    ``GgufWeight`` over their raw bytes, or without the kernels their fp32 rows (gguf-py)."""
+    ops = cpu_kernels()
+    if ops is not None:
+        return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features)
+    return torch.cat([b.dequantize() for b in blocks])
+
+
+def blocks_multiply(weight, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x2d [M, K] @ W^T (+ bias)`` for a ``blocks_weight`` (fp32 rows in, as the kernel
+    takes them)."""
+    if x2d.dtype != torch.float32 or x2d.stride(-1) != 1:
+        x2d = x2d.float().contiguous()
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x2d, weight, bias)
+    return weight.linear(x2d, bias)
+
+
 class GGUFLinearMethod(LinearMethod):
     """A linear layer over ``GGUFBlocks`` shards. Without the compiled kernels the shards are
     dequantized once (gguf-py) and multiplied in fp32, so the engine still runs."""
@@ -111,24 +130,15 @@ class GGUFLinearMethod(LinearMethod):
         for i, b in enumerate(blocks):      # visible to state inspection, never saved
             layer.register_buffer(f"gguf_raw_{i}", b.raw, persistent=False)
         layer.gguf_blocks = blocks
-        ops = cpu_kernels()
         # the compiled weight (csrc/gguf_weight.cpp): also what DecodeStack multiplies by
-        self.kernel_weight = None
-        self._dense = None
-        if ops is not None:
-            self.kernel_weight = ops.GgufWeight([b.raw for b in blocks],
-                                                [b.type_id for b in blocks], layer.input_size)
-        else:
-            self._dense = torch.cat([b.dequantize() for b in blocks])
+        weight = blocks_weight(blocks, layer.input_size)
+        dense = isinstance(weight, torch.Tensor)
+        self.kernel_weight = None if dense else weight
+        self._dense = weight if dense else None
 
     def apply(self, layer, x):
-        x2d = x.reshape(-1, layer.input_size)
-        if x2d.dtype != torch.float32 or x2d.stride(-1) != 1:
-            x2d = x2d.float().contiguous()
-        if self._dense is not None:
-            y = torch.nn.functional.linear(x2d, self._dense, layer.bias)
-        else:
-            y = self.kernel_weight.linear(x2d, layer.bias)
+        weight = self._dense if self._dense is not None else self.kernel_weight
+        y = blocks_multiply(weight, x.reshape(-1, layer.input_size), layer.bias)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def lookup_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels import cpu_kernels
 from kvforge.layers.moe import ExpertsMethod, check_expert_shape
+from kvforge.quant.gguf import GGUFBlocks, blocks_multiply, blocks_weight
 
 
 class GGUFExpertsMethod(ExpertsMethod):
@@ -26,7 +26,6 @@ class GGUFExpertsMethod(ExpertsMethod):
         layer._gguf_expert_blocks = {}          # (expert, shard) -> GGUFBlocks
 
     def load_expert(self, layer, expert_id, shard, loaded):
-        from kvforge.quant.gguf import GGUFBlocks
         check_expert_shape(layer, expert_id, shard, loaded)
         if not isinstance(loaded, GGUFBlocks):
             loaded = GGUFBlocks.from_float(loaded, f"<expert {expert_id} {shard}>")
@@ -34,30 +33,14 @@ class GGUFExpertsMethod(ExpertsMethod):
 
     def process_weights_after_loading(self, layer):
         blocks = layer._gguf_expert_blocks
-        ops = cpu_kernels()
-        layer._gguf_w13, layer._gguf_w2 = [], []
-        for e in range(layer.num_experts):
-            gate_up = [blocks[(e, "gate")], blocks[(e, "up")]]
-            down = blocks[(e, "down")]
-            if ops is not None:
-                layer._gguf_w13.append(ops.GgufWeight([b.raw for b in gate_up],
-                                                      [b.type_id for b in gate_up],
-                                                      layer.hidden_size))
-                layer._gguf_w2.append(ops.GgufWeight([down.raw], [down.type_id],
-                                                     layer.intermediate_size))
-            else:
-                layer._gguf_w13.append(torch.cat([b.dequantize() for b in gate_up]))
-                layer._gguf_w2.append(down.dequantize())
-
-    @staticmethod
-    def _multiply(weight, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(weight, torch.Tensor):
-            return x @ weight.t()
-        return weight.linear(x.float().contiguous(), None)
+        layer._gguf_w13 = [blocks_weight([blocks[(e, "gate")], blocks[(e, "up")]],
+                                         layer.hidden_size) for e in range(layer.num_experts)]
+        layer._gguf_w2 = [blocks_weight([blocks[(e, "down")]], layer.intermediate_size)
+                          for e in range(layer.num_experts)]
 
     def expert_forward(self, layer, expert_id, x):
-        gate_up = self._multiply(layer._gguf_w13[expert_id], x)
-        return self._multiply(layer._gguf_w2[expert_id], layer.act_fn(gate_up))
+        gate_up = blocks_multiply(layer._gguf_w13[expert_id], x, None)
+        return blocks_multiply(layer._gguf_w2[expert_id], layer.act_fn(gate_up), None)
 
     def dequantize(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """Float (w13 [E, 2I, H], w2 [E, H, I]) by gguf-py: the reference the kernels match."""
