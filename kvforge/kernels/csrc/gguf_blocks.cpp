@@ -344,6 +344,8 @@ struct Shards {
 // F16 / BF16) of a projection with more rows keep the tiles (many_rows): their dot is a plain
 // fp32 loop without blocking.
 constexpr int64_t kGgufDotRowsMax = 64;
+// activation rows one dot kernel call takes (a block's codes decoded once for all of them)
+constexpr int64_t kGgufDotGroupRows = 4;
 // how far ahead of its reads a dot kernel prefetches the weight stream (gguf_dot.cpp)
 constexpr int64_t kGgufPrefetchAhead = 8192;
 

@@ -189,7 +189,7 @@ struct GgufActivations {
   }
 };
 
-// out[m] = W row . activation row m, for m < rows (<= kGgufDotRowsMax)
+// out[m] = W row . activation row m, for m < rows (1..kGgufDotGroupRows)
 // `prefetch`: the bytes this thread reads kGgufPrefetchAhead bytes later (nullptr: none)
 using RowsDot = void (*)(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows,
                          float* out, const uint8_t* prefetch);
@@ -260,8 +260,6 @@ RowsDot reference_rows_dot(int64_t type) {
 }
 
 #if defined(__AVX2__)
-// Each kernel decodes a weight row's blocks once per group of R <= 4 activation rows (a
-// verification step or a small batch reuses the codes in registers), R accumulators.
 // Software prefetch of a weight stream, line by line, as a kernel reads its blocks: the
 // hardware prefetchers stop at 4 KB page boundaries, so a row stream read at ~10 GB/s a core
 // stalls at each new page; prefetching ~8 KB ahead keeps the misses in flight (timed on a
@@ -279,20 +277,19 @@ class StreamPrefetch {
   const uint8_t* next_;
 };
 
-// Each kernel decodes a weight row's blocks once per group of R <= 4 activation rows (a
-// verification step or a small batch reuses the codes in registers), R accumulators. The
-// first group prefetches the stream ahead; the others read the same row again.
+// Each kernel decodes a weight row's blocks once for a group of R <= kGgufDotGroupRows
+// activation rows (a verification step or a small batch reuses the codes in registers), R
+// accumulators; GgufWeight calls one group at a time (its tiles, gguf_weight.cpp).
 template <class Kernel>
 void rows_dot(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows, float* out,
               const uint8_t* prefetch) {
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4, prefetch = nullptr)
-    Kernel::template run<4>(row, k, a + m, out + m, prefetch);
-  switch (rows - m) {
-    case 3: return Kernel::template run<3>(row, k, a + m, out + m, prefetch);
-    case 2: return Kernel::template run<2>(row, k, a + m, out + m, prefetch);
-    case 1: return Kernel::template run<1>(row, k, a + m, out + m, prefetch);
-    default: return;
+  static_assert(kGgufDotGroupRows == 4, "the cases below");
+  switch (rows) {
+    case 4: return Kernel::template run<4>(row, k, a, out, prefetch);
+    case 3: return Kernel::template run<3>(row, k, a, out, prefetch);
+    case 2: return Kernel::template run<2>(row, k, a, out, prefetch);
+    case 1: return Kernel::template run<1>(row, k, a, out, prefetch);
+    default: TORCH_CHECK(false, "a GGUF dot group takes 1..", kGgufDotGroupRows, " rows, got ", rows);
   }
 }
 

@@ -65,8 +65,8 @@ class GgufWeight {
         prefetch_at[n - n0] = later < std::min(ahead_end, shards_.first_row[s + 1])
                                   ? row + kGgufPrefetchAhead : nullptr;
       }
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t group = std::min<int64_t>(4, rows - m0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kGgufDotGroupRows) {
+        const int64_t group = std::min(kGgufDotGroupRows, rows - m0);
         for (int64_t i = 0; i < n1 - n0; ++i)
           if (dots_[shard_at[i]] != nullptr)      // the first group streams the rows in
             dots_[shard_at[i]](row_at[i], k_, acts + m0, group, tile[i] + m0,
