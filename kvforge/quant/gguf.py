@@ -4,7 +4,8 @@ Every projection, the LM head and the token embedding keep the file's bytes: a u
 [rows, row_bytes] tensor over ``GGUFReader``'s memory map (``gguf_loader.raw_rows``), never
 dequantized at load. The compiled kernels (``kernels/csrc/gguf_blocks.cpp``,
 docs/gguf_native.md) multiply them directly by 8-bit integer dot products (prefill chunks in
-passes of 64 activation rows; float shards with more rows as fp32 tiles + GEMM); an embedding lookup
+passes of 64 activation rows; float shards with more rows, and block shards from the measured
+``kernels/gguf_tiles.gemm_min_rows`` on, as fp32 tiles + GEMM); an embedding lookup
 dequantizes only the rows it looks up. ``--quantization none`` dequantizes everything to fp32
 at load and is the reference.
 
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from kvforge.kernels import cpu_kernels
+from kvforge.kernels.gguf_tiles import gemm_min_rows
 from kvforge.layers.linear import Linear, LinearMethod
 from kvforge.loader import gguf_loader
 from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_quantization
@@ -78,7 +80,8 @@ def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
     ``GgufWeight`` over their raw bytes, or without the kernels their fp32 rows (gguf-py)."""
     ops = cpu_kernels()
     if ops is not None:
-        return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features)
+        return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features,
+                              gemm_min_rows=gemm_min_rows())
     return torch.cat([b.dequantize() for b in blocks])
 
 

@@ -6,6 +6,10 @@
 //                             DecodeStack step (run) or as one call from Python (linear), in
 //                             passes of kGgufDotRowsMax activation rows (prefill chunks)
 //   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
+//   any shards, >= gemm_min_rows rows (a long prefill chunk; 0: never)   the same tiles: where
+//                             ATen's GEMM runs near the FMA peak (Intel + MKL) they beat the
+//                             integer dots ~1.2-1.7x at 512 rows; the engine measures the
+//                             crossover once per machine (kernels/gguf_tiles.py)
 //
 // The raw tensors are views of the file's memory map (quant/gguf.py): nothing is copied.
 #include "kernels.h"
@@ -16,8 +20,10 @@ class GgufWeight {
  public:
   // reference_kernels: the portable code-by-code kernels instead of the AVX2 ones (tests)
   GgufWeight(std::vector<at::Tensor> raws, std::vector<int64_t> types, int64_t in_features,
-             bool reference_kernels)
-      : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features) {
+             bool reference_kernels, int64_t gemm_min_rows)
+      : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features),
+        gemm_min_rows_(gemm_min_rows) {
+    TORCH_CHECK(gemm_min_rows >= 0, "gemm_min_rows must be >= 0 (0: never), got ", gemm_min_rows);
     for (size_t s = 0; s < shards_.type.size(); ++s)
       dots_.push_back(shards_.format[s].quantized
                           ? rows_dot_for(shards_.type[s], reference_kernels)
@@ -100,7 +106,9 @@ class GgufWeight {
     }
     const int64_t rows = x.size(0);
     at::Tensor y = at::empty({rows, out_features()}, x.options());
-    if (rows <= kGgufDotRowsMax || !shards_.any_float) {
+    const bool tiles = (shards_.any_float && rows > kGgufDotRowsMax) ||
+                       (gemm_min_rows_ > 0 && rows >= gemm_min_rows_);
+    if (!tiles) {
       const int64_t xs = x.stride(0), ys = out_features();
       for (int64_t m0 = 0; m0 < rows; m0 += kGgufDotRowsMax) {
         const int64_t pass = std::min(kGgufDotRowsMax, rows - m0);
@@ -153,27 +161,28 @@ class GgufWeight {
   std::vector<at::Tensor> raws_;     // owns the mapped bytes the shards point into
   Shards shards_;
   int64_t k_;
+  int64_t gemm_min_rows_;            // rows from which linear() takes fp32 tiles (0: never)
   std::vector<RowsDot> dots_;        // per shard; nullptr: a float row
 };
 
 at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
                        c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K]");
-  return GgufWeight(std::move(raws), std::move(types), x.size(1), false).linear(x, bias);
+  return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0).linear(x, bias);
 }
 
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
                            c10::optional<at::Tensor> ids) {
-  return GgufWeight({raw}, {type}, k, false).dequantize(ids);
+  return GgufWeight({raw}, {type}, k, false, 0).dequantize(ids);
 }
 
 void bind_gguf_weight(pybind11::module& m) {
   namespace py = pybind11;
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<GgufWeight>(m, "GgufWeight", py::module_local())
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool, int64_t>(),
            py::arg("raws"), py::arg("types"), py::arg("in_features"),
-           py::arg("reference_kernels") = false)
+           py::arg("reference_kernels") = false, py::arg("gemm_min_rows") = 0)
       .def_property_readonly("in_features", &GgufWeight::in_features)
       .def_property_readonly("out_features", &GgufWeight::out_features)
       .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),
