@@ -50,15 +50,23 @@ def _build_dir(isa: str) -> Path:
 def build_kernels(isa: str):
     """Build (or load the cached build of) the kernels for ``isa``; raises if the build fails.
     Loading a module does not run its code: building another ISA's kernels is safe anywhere."""
+    import fcntl
     from torch.utils.cpp_extension import load
     build_dir = _build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading kvforge CPU kernels for %s (built once per machine, about a minute)",
                 isa)
-    return load(name=f"kvforge_cpu_kernels_{isa}", sources=[str(p) for p in _SOURCES],
-                build_directory=str(build_dir), verbose=False,
-                extra_cflags=["-O3", *compile_flags(isa), "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+    # torch serializes builds with a "lock" file that a killed builder leaves behind, and every
+    # later load then waits for it forever. An flock is released by the kernel when its holder
+    # dies: whoever holds ours is the only kvforge process building here, so a "lock" file it
+    # finds is stale and goes.
+    with open(build_dir / "kvforge.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name=f"kvforge_cpu_kernels_{isa}", sources=[str(p) for p in _SOURCES],
+                    build_directory=str(build_dir), verbose=False,
+                    extra_cflags=["-O3", *compile_flags(isa), "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
 
 
 def cpu_kernels(isa: str | None = None):

@@ -3,6 +3,7 @@ greedy output with kernels on vs off."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,6 +363,30 @@ def test_build_cache_keyed_by_checkout_and_sources(monkeypatch, tmp_path):
     assert kernels._build_dir("avx512") != dirs[1]                  # one build per ISA
     (checkouts[1] / "team.h").write_text((checkouts[1] / "team.h").read_text() + "\n// edited\n")
     assert kernels._build_dir("avx2") != dirs[1]
+
+
+def test_a_killed_builders_lock_file_does_not_block_the_next_build(monkeypatch, tmp_path):
+    """torch's build lock is a plain file a killed builder leaves behind (later loads would wait
+    for it forever); build_kernels removes it under an flock the kernel releases on death."""
+    import fcntl
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    stale = kernels._build_dir("avx2") / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    seen = {}
+
+    def fake_load(name, build_directory, **_):
+        seen["lock_left"] = (Path(build_directory) / "lock").exists()
+        # while the build runs, another process cannot take the flock
+        with open(Path(build_directory) / "kvforge.flock") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert kernels.build_kernels("avx2") == "kvforge_cpu_kernels_avx2"
+    assert seen == {"lock_left": False}
 
 
 def _greedy(llm, prompts, max_tokens=24):
