@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap", "auto"])
+    p.add_argument("--mlfq-starvation-steps", type=int, default=None,
+                   help="passed to the mlfq server (default: the engine's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -80,9 +82,11 @@ class PolicyServer:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.proc = launch_server(self.args, port, ("--scheduling-policy", self.policy,
-                                                     "--preemption-mode",
-                                                     self.args.preemption_mode))
+        flags = ["--scheduling-policy", self.policy, "--preemption-mode",
+                 self.args.preemption_mode]
+        if self.policy == "mlfq" and self.args.mlfq_starvation_steps is not None:
+            flags += ["--mlfq-starvation-steps", str(self.args.mlfq_starvation_steps)]
+        self.proc = launch_server(self.args, port, tuple(flags))
         return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc) -> None:
