@@ -18,7 +18,6 @@ ones: closer to the dequantized reference, but not what the same rows get in sma
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvforge.kernels.isa import cpu_model_name, selected_isa
+from kvforge.kernels.isa import cpu_model_name
 
 ENV_VAR = "KVFORGE_GGUF_GEMM_ROWS"
 CANDIDATE_ROWS = (256, 512)      # chunk sizes tried, smallest first (prefill chunks: 512 default)
@@ -50,14 +49,12 @@ def _env_rows() -> int | None:
 
 
 def _cache_file(threads: int) -> Path:
-    key = {"cpu": cpu_model_name(), "isa": selected_isa(), "torch": torch.__version__,
-           "threads": threads,
-           # what changes ATen's GEMM without changing the CPU
-           "mkl": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
-           "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
-    return root / "tune" / f"gguf-gemm-rows-{digest}.json"
+    from kvforge.kernels.tune import _machine_key, cache_file
+    # the fp32 kernel plans' key (CPU, kernel build, torch, threads) and what changes ATen's
+    # GEMM without changing the CPU
+    key = dict(_machine_key(threads), mkl=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+               onednn=os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+    return cache_file("gguf-gemm-rows", key)
 
 
 def synthetic_q4_k(rows: int, in_features: int, seed: int = 0) -> torch.Tensor:

@@ -167,11 +167,15 @@ def _machine_key(threads: int) -> dict:
             "build": _build_dir(isa).name, "torch": torch.__version__, "threads": threads}
 
 
-def cache_path(threads: int | None = None) -> Path:
-    key = _machine_key(threads or torch.get_num_threads())
+def cache_file(kind: str, key: dict) -> Path:
+    """Where a per-machine choice of ``kind`` keyed by ``key`` is cached."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
-    return root / "tune" / f"linear-{digest}.json"
+    return root / "tune" / f"{kind}-{digest}.json"
+
+
+def cache_path(threads: int | None = None) -> Path:
+    return cache_file("linear", _machine_key(threads or torch.get_num_threads()))
 
 
 def row_points(max_rows: int, few_rows_max: int) -> list[int]:
