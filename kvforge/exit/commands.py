@@ -59,8 +59,10 @@ def add_train_command(sub) -> None:
     p.add_argument("--layers", type=int, nargs="+", default=None, metavar="E",
                    help="exit after the first E layers, one head each (default: 1/4, 1/2, 5/8 "
                         "and 3/4 of the layers)")
-    p.add_argument("--tokens", type=int, default=16384, help="training tokens")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=32768,
+                   help="training tokens (hidden states kept in memory: tokens x d x 4 B per "
+                        "exit layer)")
+    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=128, help="tokens per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--num-threads", type=int, default=None)
