@@ -11,8 +11,12 @@ NUM_LAYERS = 4
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvforge-cache"))
+def _private_heads_cache(tmp_path_factory, monkeypatch):
+    """Heads go to a per-session directory, never ~/.cache/kvforge (only the heads: moving
+    KVFORGE_CACHE_DIR would also move, and rebuild, the compiled kernels)."""
+    from kvforge.exit import store
+    root = tmp_path_factory.getbasetemp() / "exit_heads"
+    monkeypatch.setattr(store, "cache_root", lambda: root)
 
 
 @pytest.fixture(scope="module")
