@@ -15,7 +15,9 @@ Workloads (greedy, EOS honoured, chat template applied, default model SmolLM2-13
   code   3 coding chats: two edits of a given class (type hints, docstrings) and one new
          function; with batch b > 3 the prompts repeat to fill the batch
 
-Methods: off; ngram (prompt lookup); self-draft (the target's first layers); draft (a separate
+Methods: off; ngram (prompt lookup); self-draft (the target's first layers); early-exit (the
+first layers + a trained exit head, docs/early_exit.md); lossy-exit (no speculation: decodes
+leave at exit heads, ``--early-exit-threshold``; not lossless); draft (a separate
 ``--draft-model``, k drafts every step, no cost model: plain drafting); draft+ngram (the same
 model with n-gram guesses where they pay more and k per request from the cost model,
 kvforge/spec/cost.py, measured at engine start; nothing where nothing pays).
@@ -121,6 +123,10 @@ METHODS = {
     "self-draft": {"speculative_method": "draft"},
     "draft": {"speculative_method": "draft", "speculative_draft_ngram": False},
     "draft+ngram": {"speculative_method": "draft", "speculative_draft_ngram": True},
+    # kvforge/exit (needs `kvforge train-exit-heads`): lossless self-speculation from an exit
+    # head, and lossy early exit at --early-exit-threshold (its "same" column may say NO)
+    "early-exit": {"speculative_method": "early-exit"},
+    "lossy-exit": {},
 }
 DRAFT_METHODS = ("draft", "draft+ngram")
 
@@ -136,13 +142,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=7,
                    help="7: with 1 decode row, the 8 rows the CPU linear kernel takes in one pass")
     p.add_argument("--draft-layers", type=int, default=None,
-                   help="self-draft depth (default: a quarter of the layers)")
+                   help="self-draft depth (default: a quarter of the layers; early-exit: the "
+                        "shallowest trained head)")
+    p.add_argument("--early-exit-threshold", type=float, default=0.9,
+                   help="lossy-exit: exit at the first head this confident")
     p.add_argument("--draft-model", default=None,
                    help="a separate draft model (catalogue name or path) for draft, draft+ngram")
     p.add_argument("--methods", nargs="+", default=["off", "ngram", "self-draft"],
                    choices=list(METHODS))
     p.add_argument("--workloads", nargs="+", default=["chat", "copy"],
                    choices=["chat", "copy", "code"])
+    p.add_argument("--quantization", default=None,
+                   help="engine quantization (default: auto; none = fp32, where greedy "
+                        "speculation is bit-identical)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -195,9 +207,13 @@ def main(argv=None) -> None:
     for method in args.methods:
         kwargs = dict(METHODS[method], num_threads=threads, kv_cache_memory="512MiB",
                       max_model_len=2048)
-        if method != "off":
+        if args.quantization:
+            kwargs["quantization"] = args.quantization
+        if method not in ("off", "lossy-exit"):
             kwargs["num_speculative_tokens"] = args.num_speculative_tokens
-        if method == "self-draft" and args.draft_layers:
+        if method == "lossy-exit":
+            kwargs["early_exit_threshold"] = args.early_exit_threshold
+        if method in ("self-draft", "early-exit") and args.draft_layers:
             kwargs["speculative_draft_layers"] = args.draft_layers
         if method in DRAFT_METHODS:
             kwargs["speculative_draft_model"] = args.draft_model

@@ -57,9 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sliding-window", type=int, default=None,
                    help="StreamingLLM: attend to the sinks plus the last W tokens and free older "
                         "KV blocks; generation may run past the model's context")
-    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
-                   help="speculative decoding: n-gram prompt lookup, or a draft model "
-                        "(self-draft from the target's first layers unless --speculative-draft-model)")
+    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "early-exit"],
+                   help="speculative decoding: n-gram prompt lookup, a draft model (self-draft "
+                        "from the target's first layers unless --speculative-draft-model), or "
+                        "early-exit (the first layers + a trained exit head, lossless)")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="tokens proposed per step per request")
     g.add_argument("--speculative-draft-model", default=None,
@@ -85,6 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")
     from kvforge.sparsity.commands import add_sparsity_args
     add_sparsity_args(g)
+    from kvforge.exit.commands import add_early_exit_args
+    add_early_exit_args(g)
     from kvforge.offload.commands import add_offload_engine_args
     add_offload_engine_args(g)
 
@@ -118,6 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_draft_ngram=args.speculative_draft_ngram,
                 speculative_draft_min_confidence=args.speculative_draft_min_confidence,
                 num_decode_steps=args.num_decode_steps,
+                early_exit_threshold=args.early_exit_threshold,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
                 activation_sparsity=args.activation_sparsity,
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     add_offload_commands(sub)
     from kvforge.kernels.tune_command import add_tune_command
     add_tune_command(sub)
+    from kvforge.exit.commands import add_train_command
+    add_train_command(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

@@ -74,6 +74,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4      # k proposed tokens per step per request
     speculative_draft_model: str | None = None   # draft: a smaller model, same tokenizer
     speculative_draft_layers: int | None = None  # self-draft depth; None = num_layers // 4
+                                                 # (early-exit: the shallowest trained head)
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
     # draft model: check an n-gram guess in the draft's catch-up pass (copied spans at the cost
@@ -83,6 +84,10 @@ class EngineConfig:
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4
+    # early exit (kvforge/exit, lossy): a decode token leaves at the first trained exit head
+    # whose top-1 probability is >= this; None = off. Engine-wide, not per request: the heads
+    # are loaded once and every decode row of a step runs the same layer loop
+    early_exit_threshold: float | None = None
     # tensor parallel (kvforge/distributed): the model sliced over this many ranks, one process
     # each; workers are local processes (mp) or Ray actors (ray; RAY_ADDRESS for a cluster)
     tensor_parallel_size: int = 1
@@ -133,8 +138,8 @@ class EngineConfig:
         apply_sparse_attention(self)
         from kvforge.attention.window_setup import validate_window_args
         validate_window_args(self)
-        if self.speculative_method not in (None, "none", "ngram", "draft"):
-            raise ValueError(f"speculative_method must be ngram or draft, got "
+        if self.speculative_method not in (None, "none", "ngram", "draft", "early-exit"):
+            raise ValueError(f"speculative_method must be ngram, draft or early-exit, got "
                              f"{self.speculative_method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got "
@@ -170,6 +175,8 @@ class EngineConfig:
                              f"got {self.tensor_parallel_size}")
         from kvforge.offload.config import validate_offload_args
         validate_offload_args(self)
+        from kvforge.exit.config import validate_early_exit_args
+        validate_early_exit_args(self)
         if self.activation_sparsity > 0 and self.offload_memory_budget is not None:
             raise ValueError(f"activation_sparsity {self.activation_sparsity} runs in the "
                              f"in-memory decode stack; offloaded models (offload_memory_budget "

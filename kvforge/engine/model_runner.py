@@ -47,6 +47,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = source.config
+        self.model_path = source.path        # what trained exit heads are keyed by (kvforge/exit)
         self.model = self._load_model(source)
         self.model.eval()
         # a separate draft model (speculative decoding) keeps its own KV tensors over the same
@@ -89,6 +90,11 @@ class ModelRunner:
         if config.activation_sparsity > 0:          # sparse decode projections (kvforge/sparsity)
             from kvforge.sparsity.engine import enable_activation_sparsity
             enable_activation_sparsity(self.model, source, config)
+        if config.early_exit_threshold is not None:  # decodes leave at exit heads (kvforge/exit)
+            from kvforge.exit.model import EarlyExitLM
+            from kvforge.exit.store import load_heads_for
+            self.model = EarlyExitLM(self.model, load_heads_for(self.model, self.model_path),
+                                     config.early_exit_threshold)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.model.kv_cache_bytes_per_block(self.block_size) / self.block_size / 1024)

@@ -62,12 +62,20 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     if args.activation_sparsity > 0:       # every token masked as sparse decode masks it
         from kvforge.sparsity.eval import sparsity_masks
         masks = sparsity_masks(model, source, args)
+    if args.early_exit_threshold is not None:   # every position exits as a decode would
+        from kvforge.exit.model import EarlyExitLM
+        from kvforge.exit.store import load_heads_for
+        model = EarlyExitLM(model, load_heads_for(model, source.path), args.early_exit_threshold,
+                            exit_all_rows=True)
     r = perplexity(model, ids, max_tokens=args.max_tokens, window=args.window)
     print(f"perplexity {r.perplexity:.4f} (mean NLL {r.mean_nll:.4f}) over {r.num_scored} tokens "
           f"in {r.num_windows} windows; corpus {args.corpus}, quantization {args.quantization}")
     if masks is not None:
         from kvforge.sparsity.eval import describe_realised
         print(describe_realised(model, masks, args))
+    if args.early_exit_threshold is not None:
+        from kvforge.exit.model import describe_exits
+        print(describe_exits(model.stats))
     return 0
 
 
@@ -94,4 +102,6 @@ def add_quant_commands(sub, add_engine_args=None) -> None:
     p.add_argument("--window", type=int, default=512)
     from kvforge.sparsity.commands import add_sparsity_args
     add_sparsity_args(p)
+    from kvforge.exit.commands import add_early_exit_args
+    add_early_exit_args(p)
     p.set_defaults(func=cmd_perplexity)

@@ -14,7 +14,7 @@ from kvforge.spec.self_draft import SelfDraftModel
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "early-exit")
 SPECULATION_MIN_GAIN = 1.25
 
 
@@ -31,6 +31,11 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
             config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request,
             min_acceptance=0.0, max_verify_rows=max_rows)
     target = runner.model
+    if method == "early-exit":
+        runner.drafter = ModelDraftProposer(_exit_draft(config, runner), runner.block_size,
+                                            runner.device)
+        return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
+                           max_verify_rows=max_rows)
     if runner.draft_model is None:
         layers = config.speculative_draft_layers or max(1, target.num_layers // 4)
         runner.drafter = ModelDraftProposer(SelfDraftModel(target, layers), runner.block_size,
@@ -58,6 +63,18 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
     # n-gram guesses first where they pay more (no draft forward); the draft model elsewhere
     return SpecDecoder(config.num_speculative_tokens, ngram, max_len_per_request, cost=cost,
                        model_drafts=True, draft_stats=runner.drafter.stats)
+
+
+def _exit_draft(config, runner):
+    """The target's first E layers + its trained exit head (E: --speculative-draft-layers, or
+    the shallowest head trained)."""
+    from kvforge.exit.store import load_heads_for
+    from kvforge.spec.exit_draft import ExitDraftModel
+    heads = load_heads_for(runner.model, runner.model_path)
+    draft = ExitDraftModel(runner.model, heads, config.speculative_draft_layers)
+    logger.info("early-exit draft: first %d of %d layers + exit head", draft.num_layers,
+                runner.model.num_layers)
+    return draft
 
 
 def _timed_forward(runner, model, kv_caches, logits_rows: int | None):

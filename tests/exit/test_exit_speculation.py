@@ -1,0 +1,36 @@
+"""Lossless self-speculation from an exit head: greedy output identical to plain decoding,
+drafts proposed and some accepted, KV accounting exact; an untrained layer is refused."""
+from __future__ import annotations
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from tests.exit.test_early_exit import PROMPTS
+
+
+def _run(path, **kwargs):
+    llm = LLM(path, block_size=4, num_kv_blocks=128, **kwargs)
+    if llm.engine.spec is not None:
+        llm.engine.spec.min_acceptance = 0.0      # keep proposing: exercise verification
+        llm.engine.spec.max_verify_rows = None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks, "leaked KV blocks"
+    return [o.outputs[0].token_ids for o in outs], llm.engine
+
+
+@pytest.mark.parametrize("layer", [None, 2])
+def test_greedy_identical_to_plain(tiny_path, saved_heads, layer):
+    plain, _ = _run(tiny_path)
+    tokens, engine = _run(tiny_path, speculative_method="early-exit", num_speculative_tokens=3,
+                          speculative_draft_layers=layer)
+    assert engine.runner.drafter.model.num_layers == (layer or 1)
+    assert engine.spec_stats.num_proposed > 0
+    assert tokens == plain
+
+
+def test_untrained_exit_layer_is_refused(tiny_path, saved_heads):
+    with pytest.raises(ValueError, match="no trained exit head after layer 3"):
+        LLM(tiny_path, block_size=4, num_kv_blocks=32, speculative_method="early-exit",
+            speculative_draft_layers=3)
