@@ -68,6 +68,26 @@ def child_runtime(cfg: dict) -> dict:
     return {"peak_rss": peak_rss()}
 
 
+def time_decode_steps(runner) -> list[tuple[int, float]]:
+    """(tokens, seconds) of every all-decode engine step, appended as the runner executes
+    them: the same decode measure for the offloaded and the in-memory systems."""
+    steps: list[tuple[int, float]] = []
+    execute = runner.execute
+
+    def timed(sched):
+        decode = bool(sched.scheduled) and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                               for r in sched.scheduled)
+        start = time.perf_counter()
+        out = execute(sched)
+        if decode:          # multi-step decoding (in memory) samples several tokens per row
+            steps.append((sum(len(t) for t in out.sampled.values()),
+                          time.perf_counter() - start))
+        return out
+
+    runner.execute = timed
+    return steps
+
+
 def child_kvforge(cfg: dict) -> dict:
     from kvforge import LLM, SamplingParams
     kwargs = dict(quantization="none", max_model_len=cfg["max_model_len"],
@@ -79,6 +99,7 @@ def child_kvforge(cfg: dict) -> dict:
     else:
         kwargs.update(kv_cache_memory="1GiB")
     llm = LLM(cfg["model"], **kwargs)
+    decode_steps = time_decode_steps(llm.engine.runner)
     start_rss = current_rss()          # the engine started: no weights touched yet (offload)
     prompts = make_prompts(cfg["prompts"])
     params = SamplingParams(temperature=0, max_tokens=cfg["output_tokens"], ignore_eos=True)
@@ -90,13 +111,13 @@ def child_kvforge(cfg: dict) -> dict:
     n_tokens = sum(len(t) for t in tokens)
     result = {"tok_s": n_tokens / seconds, "seconds": seconds, "tokens": tokens,
               "proc_read_per_token": (proc_read_bytes() - read0) / n_tokens,
-              "peak_rss": peak_rss(), "start_rss": start_rss}
+              "peak_rss": peak_rss(), "start_rss": start_rss,
+              "decode_tok_s": sum(n for n, _ in decode_steps) / max(
+                  sum(t for _, t in decode_steps), 1e-9)}
     runner = llm.engine.runner
     if cfg["policy"] != "memory":
         model = runner.model
-        steps = model.decode_steps
         result.update(
-            decode_tok_s=sum(s for s, _ in steps) / max(sum(t for _, t in steps), 1e-9),
             read_per_token=model.bytes_read / n_tokens,
             written_per_token=model.bytes_written / n_tokens,
             overlap=model.trace.overlap_fraction(),

@@ -128,11 +128,22 @@ class StageLoader:
         if self._thread is not None:
             self._thread.join()
 
-    @staticmethod
-    def _check(stage: Stage | None, name: str) -> None:
+    def _check(self, stage: Stage | None, name: str) -> None:
         if stage is None or stage.name != name:
             raise RuntimeError(f"offload schedule out of order: compute wants {name!r}, the "
-                               f"loader holds {stage.name if stage else None!r}")
+                               f"loader holds {stage.name if stage else None!r} "
+                               f"({self._queue_state()})")
+
+    def _queue_state(self) -> str:
+        """What the loader holds, for the order check's message: a mismatch is a bug in the
+        caller's schedule, and the queue around it names which stages were doubled or lost."""
+        with self._cond:
+            issued = [f"{s.stage.name if s.stage else None}"
+                      f"{' (acquired)' if s.acquired else ''}" for s in self._issued]
+            pending = [s.name for s in list(self._pending)[:4]]
+            more = len(self._pending) - len(pending)
+        return (f"issued {issued}, next pending {pending}"
+                + (f" and {more} more" if more > 0 else ""))
 
     def _read(self, slot: Slot, stage: Stage) -> None:
         start = self.trace.now()

@@ -115,9 +115,13 @@ class WeightStore:
             self.manifest = json.load(f)
         self.directory = directory
         self.layers = self.manifest["layers"]
-        self._files: dict[str, DiskFile] = {}
         self.embedding = self.manifest["embedding"]
         self.head = self.manifest["head"]
+        # every file opened now: the loader thread reads them while the compute thread sums
+        # ``bytes_read``, so the dict must not grow under either
+        self._files: dict[str, DiskFile] = {
+            name: DiskFile(os.path.join(directory, name))
+            for name in dict.fromkeys([e["file"] for e in self.layers] + [self.head["file"]])}
         self.dtype = getattr(torch, self.head["dtype"])
         vocab, hidden = self.head["shape"]
         self.head_row_bytes = hidden * torch.empty((), dtype=self.dtype).element_size()
@@ -126,8 +130,6 @@ class WeightStore:
         self.embed_bytes_read = 0
 
     def file(self, name: str) -> DiskFile:
-        if name not in self._files:
-            self._files[name] = DiskFile(os.path.join(self.directory, name))
         return self._files[name]
 
     @property

@@ -1,0 +1,76 @@
+"""The offloaded step's stage protocol under adversarial thread timing: random delays in the
+weight loader's, the KV loader's and the store thread's I/O, with placements that mix RAM-KV,
+disk-KV and resident layers, steps with fewer batches than the block, steps that need no logits
+(chunked prefill), preemption (a KV pool too small for every sequence) and the last steps where
+the block empties. Greedy tokens must equal the in-memory run's and no order check may fire."""
+import random
+import time
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.offload import kv_disk, loader
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog and then",
+           "Once upon a time",
+           "In a galaxy far, far away, a small robot named Bolt dreamed of",
+           "1 2 3 4 5",
+           "Hello, my name is",
+           "The capital of France is Paris, and the capital of Italy is",
+           "Robot number 7 lived near the harbour",
+           "A B C"]
+PARAMS = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_factory):
+    d, _ = tiny_model_factory("llama", num_hidden_layers=5)
+    return d
+
+
+@pytest.fixture(scope="module")
+def in_memory_tokens(tiny_dir):
+    llm = LLM(tiny_dir, quantization="none", kv_cache_memory="16MiB", max_model_len=128,
+              max_num_batched_tokens=24, enable_prefix_caching=False)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture
+def jittered_io(monkeypatch):
+    """Sleep 0-3 ms (seeded) before every stage read and every KV write-back, so the loader
+    and store threads finish in orders the quiet machine never shows."""
+    rng = random.Random(1234)
+    read, write = loader.StageLoader._read, kv_disk.DiskKVLayer.write
+
+    def slow_read(self, slot, stage):
+        time.sleep(rng.random() * 0.003)
+        read(self, slot, stage)
+
+    def slow_write(self, plan, local_ids, buf):
+        time.sleep(rng.random() * 0.003)
+        write(self, plan, local_ids, buf)
+
+    monkeypatch.setattr(loader.StageLoader, "_read", slow_read)
+    monkeypatch.setattr(kv_disk.DiskKVLayer, "write", slow_write)
+
+
+@pytest.mark.parametrize("policy, block_batches, num_kv_blocks", [
+    ("w=0,kv=20", 8, None),      # the grid point that once stopped: RAM-KV layer 0, rest disk
+    ("w=0,kv=40", 3, None),
+    ("w=40,kv=0", 2, None),      # resident layers first, every layer's KV on disk
+    ("w=20,kv=60", 4, None),
+    ("w=0,kv=20", 8, 12),        # a pool too small for the block: preemption
+])
+def test_stage_protocol_under_io_jitter(tiny_dir, tmp_path, in_memory_tokens, jittered_io,
+                                        policy, block_batches, num_kv_blocks):
+    llm = LLM(tiny_dir, max_model_len=128, offload_dir=str(tmp_path),
+              offload_memory_budget="64MiB", offload_policy=policy, offload_batch_size=2,
+              offload_block_batches=block_batches, num_kv_blocks=num_kv_blocks,
+              max_num_batched_tokens=24, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    for _ in range(2):            # a second generate starts from the first one's last step
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert got == in_memory_tokens
+    assert model.loader.outstanding() == 0
+    assert model.kv_disk                      # KV went through the disk tier
+    llm.engine.shutdown()
