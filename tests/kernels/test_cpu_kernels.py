@@ -421,7 +421,13 @@ def _check_on_equals_off(llm, prompts, monkeypatch, atol, max_tokens=12):
 
 @needs_kernels
 @pytest.mark.slow
-def test_default_model_greedy_same_with_and_without_kernels(compiled, smollm_llm, monkeypatch):
+def test_default_model_greedy_same_with_and_without_kernels(compiled, default_model_path,
+                                                           monkeypatch):
+    from kvforge import LLM
+    # a model of its own: weights are packed for the build selected when they load (the shared
+    # fixture's for this CPU's widest ISA, not for the one `compiled` selects here)
+    smollm_llm = LLM(default_model_path, kv_cache_memory="256MiB", max_model_len=2048,
+                     quantization="none")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
     on, on_lp = _greedy(smollm_llm, prompts)
     assert smollm_llm.engine.runner.model._decode_stack is not None   # the stack really ran
