@@ -29,10 +29,5 @@ class ExitDraftModel(SelfDraftModel):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        stack = self.target.model
-        hidden = stack.embed_tokens(input_ids)
-        cos, sin = stack.rotary_emb.cos_sin(positions)
-        residual = None
-        for layer, kv_cache in zip(stack.layers[:self.num_layers], kv_caches[:self.num_layers]):
-            hidden, residual = layer(hidden, residual, stack.rotary_emb, cos, sin, kv_cache, meta)
+        hidden, residual = self.first_layers(input_ids, positions, kv_caches, meta)
         return self.head(hidden + residual)

@@ -37,15 +37,22 @@ class SelfDraftModel:
         self.num_layers = num_layers
         self.vocab_size = target.config.vocab_size
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def first_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the target's first ``num_layers`` layers."""
         stack = self.target.model
         hidden = stack.embed_tokens(input_ids)
         cos, sin = stack.rotary_emb.cos_sin(positions)
         residual = None
         for layer, kv_cache in zip(stack.layers[:self.num_layers], kv_caches[:self.num_layers]):
             hidden, residual = layer(hidden, residual, stack.rotary_emb, cos, sin, kv_cache, meta)
-        hidden, _ = stack.norm(hidden, residual)
+        return hidden, residual
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        hidden, _ = self.target.model.norm(*self.first_layers(input_ids, positions, kv_caches,
+                                                               meta))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
