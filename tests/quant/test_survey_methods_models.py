@@ -8,7 +8,7 @@ import torch
 
 from kvforge import LLM
 from kvforge.cli import main
-from kvforge.layers.linear import Linear, UnquantizedLinearMethod
+from kvforge.layers.linear import Linear, PackedLinearMethod, UnquantizedLinearMethod
 from kvforge.loader.source import load_model_source
 from kvforge.quant.calibration import CalibratedQuantConfig
 from kvforge.quant.loading import load_model
@@ -35,7 +35,9 @@ def fake_quantized(model, source):
     modules = dict(fake.named_modules())
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and type(module.method) is not UnquantizedLinearMethod:
+            # packed layers hold fp32 weights (AVX-512 builds pack them for the decode kernels)
+            if isinstance(module, Linear) and type(module.method) not in (
+                    UnquantizedLinearMethod, PackedLinearMethod):
                 modules[name].weight.copy_(module.method.dequantize(module))
     return fake
 
