@@ -10,7 +10,6 @@ serve every quantization of the same file: they only read the residual stream.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from kvforge.exit.heads import ExitHeads
@@ -20,7 +19,8 @@ CONFIG_FILE = "heads.json"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge")) / "exit_heads"
+    from kvforge.loader.catalog import cache_root as kvforge_cache_root
+    return Path(kvforge_cache_root()) / "exit_heads"
 
 
 def heads_dir(model_path: str) -> Path:

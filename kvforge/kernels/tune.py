@@ -169,9 +169,9 @@ def _machine_key(threads: int) -> dict:
 
 def cache_file(kind: str, key: dict) -> Path:
     """Where a per-machine choice of ``kind`` keyed by ``key`` is cached."""
+    from kvforge.loader.catalog import cache_root
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
-    return root / "tune" / f"{kind}-{digest}.json"
+    return Path(cache_root()) / "tune" / f"{kind}-{digest}.json"
 
 
 def cache_path(threads: int | None = None) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 from kvforge.sparsity.thresholds import SparsityThresholds
@@ -15,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge")) / "sparsity"
+    from kvforge.loader.catalog import cache_root as kvforge_cache_root
+    return Path(kvforge_cache_root()) / "sparsity"
 
 
 def model_key(path: str, quantization: str | None) -> str:
