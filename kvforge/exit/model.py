@@ -26,10 +26,8 @@ class EarlyExitLM:
                  exit_all_rows: bool = False) -> None:
         """``exit_all_rows``: every row may exit (teacher-forced evaluation); otherwise only the
         last row of each sequence whose query is one token (a decode)."""
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if not all(hasattr(getattr(model, "model", None), a) for a in needed):
-            raise ValueError(f"early exit needs a Llama-family decoder stack, got "
-                             f"{type(model).__name__}")
+        from kvforge.models.llama import llama_stack
+        llama_stack(model, "early exit")
         if heads.num_layers != model.num_layers:
             raise ValueError(f"exit heads for {heads.num_layers} layers, model has "
                              f"{model.num_layers}")

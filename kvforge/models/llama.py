@@ -117,6 +117,16 @@ class LlamaModel(nn.Module):
                                           dtype=dtype, device=device)
 
 
+def llama_stack(model, what: str) -> LlamaModel:
+    """``model.model`` when it is a Llama-family decoder stack (what callers that run its layers
+    one by one need: embeddings, layers, final norm, rotary); else ValueError naming ``what``."""
+    stack = getattr(model, "model", None)
+    if stack is None or not all(hasattr(stack, a)
+                                for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise ValueError(f"{what} needs a Llama-family decoder stack, got {type(model).__name__}")
+    return stack
+
+
 class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
     # the decoder stack; a family that differs only inside its layers (Mixtral's MoE) swaps it
     model_cls: type[nn.Module] = LlamaModel

@@ -25,11 +25,8 @@ class SelfDraftModel:
     shares_target_kv = True
 
     def __init__(self, target: torch.nn.Module, num_layers: int) -> None:
-        stack = getattr(target, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if stack is None or not all(hasattr(stack, a) for a in needed):
-            raise ValueError(f"self-draft needs a Llama-family decoder stack, got "
-                             f"{type(target).__name__}")
+        from kvforge.models.llama import llama_stack
+        stack = llama_stack(target, "self-draft")
         if not 1 <= num_layers < len(stack.layers):
             raise ValueError(f"self-draft layers must be in [1, {len(stack.layers)}), got "
                              f"{num_layers!r}")
