@@ -9,16 +9,12 @@ import time
 import pytest
 
 from kvforge import LLM, SamplingParams
+from tests.offload.conftest import greedy_in_memory
+from tests.offload.test_offloaded_engine import PROMPTS as ENGINE_PROMPTS
 from kvforge.offload import kv_disk, loader
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog and then",
-           "Once upon a time",
-           "In a galaxy far, far away, a small robot named Bolt dreamed of",
-           "1 2 3 4 5",
-           "Hello, my name is",
-           "The capital of France is Paris, and the capital of Italy is",
-           "Robot number 7 lived near the harbour",
-           "A B C"]
+# the engine tests' prompts and two more: 8 sequences, so blocks of several batches
+PROMPTS = [*ENGINE_PROMPTS, "Robot number 7 lived near the harbour", "A B C"]
 PARAMS = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
 
 
@@ -30,9 +26,7 @@ def tiny_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def in_memory_tokens(tiny_dir):
-    llm = LLM(tiny_dir, quantization="none", kv_cache_memory="16MiB", max_model_len=128,
-              max_num_batched_tokens=24, enable_prefix_caching=False)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return greedy_in_memory(tiny_dir, PROMPTS, PARAMS)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
+from tests.offload.conftest import greedy_in_memory
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog and then",
            "Once upon a time",
@@ -24,9 +25,7 @@ def tiny_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def in_memory_tokens(tiny_dir):
-    llm = LLM(tiny_dir, quantization="none", kv_cache_memory="16MiB", max_model_len=128,
-              max_num_batched_tokens=24, enable_prefix_caching=False)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return greedy_in_memory(tiny_dir, PROMPTS, PARAMS)
 
 
 @pytest.fixture(scope="module")
