@@ -1,0 +1,297 @@
+"""Masked-diffusion LMs (LLaDA, Dream): a Llama-shaped pre-norm transformer whose attention is
+bidirectional; generation (``kvforge/diffusion``) fills a canvas of mask tokens over steps.
+
+Two checkpoint layouts, one module tree (HF Qwen2 names, which Dream uses as they are):
+  LLaDA  model.transformer.wte / blocks.N.{q,k,v}_proj, attn_out, ff_proj (gate), up_proj,
+         ff_out (down), attn_norm, ff_norm / ln_f / ff_out (LM head); config d_model, n_heads ...
+  Dream  Qwen2's names and config (q/k/v biases); the model predicts token i at position i - 1
+         (it starts from an autoregressive Qwen2), so its logits are shifted right by one.
+
+Plain torch layers, so the same module trains (``kvforge train-diffusion``) and generates. The
+K/V cache is the whole canvas per layer (``DiffusionKVCache``), not the paged pool: a diffusion
+step recomputes query spans in the middle of a sequence, which the engine's append-only block
+tables do not describe.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.layers.rotary import compute_inv_freq
+
+# HF architecture name -> checkpoint layout
+DIFFUSION_LAYOUTS = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
+# LLaDA checkpoint name parts -> ours (Qwen2 / Dream names)
+_LLADA_NAMES = (("model.transformer.wte.", "model.embed_tokens."),
+                ("model.transformer.ln_f.", "model.norm."),
+                ("model.transformer.ff_out.", "lm_head."),
+                ("model.transformer.blocks.", "model.layers."),
+                (".attn_norm.", ".input_layernorm."), (".ff_norm.", ".post_attention_layernorm."),
+                (".q_proj.", ".self_attn.q_proj."), (".k_proj.", ".self_attn.k_proj."),
+                (".v_proj.", ".self_attn.v_proj."), (".attn_out.", ".self_attn.o_proj."),
+                (".ff_proj.", ".mlp.gate_proj."), (".up_proj.", ".mlp.up_proj."),
+                (".ff_out.", ".mlp.down_proj."))
+
+
+def is_diffusion_architecture(architecture: str) -> bool:
+    return architecture in DIFFUSION_LAYOUTS
+
+
+@dataclass
+class DiffusionLMConfig:
+    layout: str                            # "llada" | "dream"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    mask_token_id: int
+    head_dim: int = 0                      # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("llada", "dream"):
+            raise ValueError(f"diffusion layout must be 'llada' or 'dream', got {self.layout!r}")
+        self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"diffusion model config {name} must be an integer > 0, "
+                                 f"got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be a token id in [0, {self.vocab_size}), "
+                             f"got {self.mask_token_id!r}")
+
+    @property
+    def logits_shift(self) -> int:
+        """Dream's output at position i - 1 predicts token i; LLaDA's at i predicts i."""
+        return 1 if self.layout == "dream" else 0
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DiffusionLMConfig":
+        archs = d.get("architectures") or []
+        layout = DIFFUSION_LAYOUTS.get(archs[0] if archs else "")
+        if layout is None:
+            raise ValueError(f"not a masked-diffusion architecture: {archs!r}; supported: "
+                             f"{sorted(DIFFUSION_LAYOUTS)}")
+        if d.get("mask_token_id") is None:
+            raise ValueError("a masked-diffusion config needs mask_token_id")
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if layout == "llada":
+            heads = d.get("n_heads")
+            return cls(layout, vocab_size=d.get("embedding_size") or d["vocab_size"],
+                       hidden_size=d.get("d_model"), num_layers=d.get("n_layers"),
+                       num_heads=heads, num_kv_heads=d.get("n_kv_heads") or heads,
+                       intermediate_size=d.get("mlp_hidden_size"),
+                       mask_token_id=d["mask_token_id"], rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+                       rope_theta=d.get("rope_theta", 10000.0),
+                       max_position=d.get("max_sequence_length", 4096),
+                       tie_word_embeddings=bool(d.get("weight_tying", False)),
+                       qkv_bias=bool(d.get("include_qkv_bias") or d.get("include_bias")),
+                       eos_token_ids=eos_ids)
+        heads = d.get("num_attention_heads")
+        return cls(layout, vocab_size=d["vocab_size"], hidden_size=d.get("hidden_size"),
+                   num_layers=d.get("num_hidden_layers"), num_heads=heads,
+                   num_kv_heads=d.get("num_key_value_heads") or heads,
+                   intermediate_size=d.get("intermediate_size"), mask_token_id=d["mask_token_id"],
+                   head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   rope_theta=d.get("rope_theta", 10000.0),
+                   max_position=d.get("max_position_embeddings", 4096),
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=True,
+                   eos_token_ids=eos_ids)
+
+    def to_llada_dict(self) -> dict[str, Any]:
+        """config.json in LLaDA's vocabulary (what ``kvforge train-diffusion`` saves)."""
+        return {"architectures": ["LLaDAModelLM"], "model_type": "llada",
+                "vocab_size": self.vocab_size, "embedding_size": self.vocab_size,
+                "d_model": self.hidden_size, "n_layers": self.num_layers,
+                "n_heads": self.num_heads, "n_kv_heads": self.num_kv_heads,
+                "mlp_hidden_size": self.intermediate_size, "mask_token_id": self.mask_token_id,
+                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+                "max_sequence_length": self.max_position,
+                "weight_tying": self.tie_word_embeddings, "include_qkv_bias": self.qkv_bias,
+                "include_bias": False, "eos_token_id": self.eos_token_ids[0]
+                if self.eos_token_ids else None}
+
+
+class DiffusionKVCache:
+    """K/V of every canvas position per layer, [B, KVH, L, D], from the last full forward (a
+    refresh). A partial forward over positions [start, end) attends to the cached K/V with that
+    span replaced by its fresh K/V, and writes nothing back (Fast-dLLM's approximate cache):
+
+        keys = cache[:, :, :start] | fresh span | cache[:, :, end:]
+               (prefix cache: end = L, no suffix; dual cache: end = block end)
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def attend_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int,
+                    refresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if refresh:
+            self.keys[layer], self.values[layer] = k, v
+            return k, v
+        ck, cv = self.keys[layer], self.values[layer]
+        if ck is None:
+            raise ValueError("a partial forward needs a refreshed cache first")
+        end = start + k.shape[2]
+        return (torch.cat((ck[:, :, :start], k, ck[:, :, end:]), dim=2),
+                torch.cat((cv[:, :, :start], v, cv[:, :, end:]), dim=2))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX ("rotate_half") RoPE; x [B, H, Q, D], cos/sin [B, 1, Q, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DiffusionAttention(nn.Module):
+    def __init__(self, cfg: DiffusionLMConfig, index: int) -> None:
+        super().__init__()
+        self.index, self.heads, self.kv_heads, self.head_dim = (index, cfg.num_heads,
+                                                                cfg.num_kv_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, key_mask, cache: DiffusionKVCache | None, start: int,
+                refresh: bool) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.attend_keys(self.index, k, v, start, refresh)
+        # no causal mask: every position sees the whole canvas (minus left padding)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DiffusionBlock(nn.Module):
+    def __init__(self, cfg: DiffusionLMConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DiffusionAttention(cfg, index)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, key_mask, cache, start, refresh):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, cache, start, refresh)
+        h = self.post_attention_layernorm(x)
+        mlp = self.mlp
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+class MaskedDiffusionLM(nn.Module):
+    def __init__(self, cfg: DiffusionLMConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DiffusionBlock(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", compute_inv_freq(cfg.head_dim, cfg.rope_theta)[0],
+                             persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                key_mask: torch.Tensor | None = None, cache: DiffusionKVCache | None = None,
+                start: int = 0, refresh: bool = False,
+                logit_rows: slice | None = None) -> torch.Tensor:
+        """[B, Q] ids at [B, Q] positions -> [B, Q, V] fp32 logits (only ``logit_rows`` of the
+        Q when given). ``key_mask`` [B, 1, 1, K] (True = visible) hides left padding; with
+        ``cache``, ``refresh`` stores this forward's K/V (Q must be the whole canvas) and
+        otherwise the query span starts at canvas position ``start``."""
+        angles = positions.unsqueeze(-1).float() * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, key_mask, cache, start, refresh)
+        if logit_rows is not None:
+            x = x[:, logit_rows]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """Fresh weights for training: N(0, std), output projections scaled by depth."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    scale = (2 * self.config.num_layers) ** -0.5 if (
+                        "o_proj" in name or "down_proj" in name) else 1.0
+                    p.normal_(0.0, std * scale, generator=generator)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF tensors in either layout; refuses unknown names, bad shapes and missing tensors."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.config.layout == "llada":
+                for old, new in _LLADA_NAMES:
+                    name = name.replace(old, new)
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for a {self.config.layout} "
+                                 f"diffusion model")
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:10]}")
+
+    def llada_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under LLaDA's checkpoint names (the inverse of the loader's renaming)."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for old, new in reversed(_LLADA_NAMES):
+                name = name.replace(new, old)
+            out[name] = tensor.contiguous()
+        return out
+
+
+def load_diffusion_model(source) -> MaskedDiffusionLM:
+    """A ``loader.source.ModelSource`` of a diffusion architecture -> the model, eval mode,
+    gradients off."""
+    cfg = DiffusionLMConfig.from_hf_dict(source.config.hf_config)
+    model = MaskedDiffusionLM(cfg)
+    model.load_weights(source.iter_weights())
+    return model.eval().requires_grad_(False)
