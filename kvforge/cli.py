@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     add_tune_command(sub)
     from kvforge.exit.commands import add_train_command
     add_train_command(sub)
+    from kvforge.diffusion.commands import add_train_diffusion_command
+    add_train_diffusion_command(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:
