@@ -1,0 +1,163 @@
+"""DiffusionEngine: the engine of a masked-diffusion model, with LLMEngine's request interface
+(``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``), so ``LLM`` drives
+either one the same way; ``create_engine`` picks by the model's architecture.
+
+    add_request  tokenize, validate, queue (SamplingParams checked like any request)
+    step()       the oldest waiting request and every waiting one with the same loop settings
+                 (max_tokens, steps, block, remasking, threshold, cache, temperature), up to
+                 max_num_seqs, run as one batch to the end (generator.py)
+                 -> finished RequestOutputs (text cut at the first EOS / stop token / stop string)
+
+A step finishes its requests: no streaming of committed blocks, and no prefix reuse between
+requests (each batch refreshes its own cache).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.diffusion.generator import DiffusionGenerator, DiffusionStats
+from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+
+def is_diffusion_model(model: str | None) -> bool:
+    """Whether ``model`` names an HF directory of a masked-diffusion architecture (checked from
+    config.json alone: no weights read, GGUF files never are)."""
+    import os
+    from kvforge.loader import hf_loader
+    from kvforge.loader.catalog import CATALOG, resolve_model
+    from kvforge.models.diffusion_lm import is_diffusion_architecture
+    if model is None or model in CATALOG:
+        return False
+    path = os.path.abspath(os.path.expanduser(resolve_model(model)))
+    if not hf_loader.is_hf_dir(path):
+        return False
+    archs = hf_loader.read_hf_config(path).get("architectures") or [""]
+    return is_diffusion_architecture(archs[0])
+
+
+def create_engine(config: EngineConfig):
+    """LLMEngine, or DiffusionEngine for a masked-diffusion model."""
+    if is_diffusion_model(config.model):
+        return DiffusionEngine(config)
+    from kvforge.engine.llm_engine import LLMEngine
+    return LLMEngine(config)
+
+
+@dataclass
+class _Waiting:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+
+
+def _loop_key(p: SamplingParams) -> tuple:
+    return (p.max_tokens, p.diffusion_steps, p.diffusion_block_length, p.remasking,
+            p.parallel_threshold, p.diffusion_cache, p.temperature)
+
+
+class DiffusionEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from kvforge.engine.llm_engine import default_num_threads
+        from kvforge.loader.source import load_model_source
+        from kvforge.models.diffusion_lm import load_diffusion_model
+        self.config = config
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.manual_seed(config.seed)
+        source = load_model_source(config.model)
+        self.model_config = source.config
+        self.tokenizer = source.load_tokenizer()
+        self.model = load_diffusion_model(source)
+        self.generator = DiffusionGenerator(self.model)
+        self.eos_token_ids = tuple(dict.fromkeys(list(self.tokenizer.eos_token_ids)
+                                                 + self.model.config.eos_token_ids))
+        self.max_model_len = min(config.max_model_len or self.model.config.max_position,
+                                 self.model.config.max_position)
+        self.stats = DiffusionStats()          # summed over every batch run
+        self._waiting: dict[str, _Waiting] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._waiting:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if params.n != 1:
+            raise ValueError(f"diffusion models generate one output per request, got n={params.n}")
+        for name in ("logprobs", "prompt_logprobs", "structured_output"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name} is not supported by diffusion models")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids) or self.model.config.mask_token_id in ids:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) and not the mask token "
+                             f"{self.model.config.mask_token_id}")
+        if params.max_tokens is None:
+            raise ValueError("diffusion models need max_tokens (the canvas length)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's {self.max_model_len} positions")
+        from kvforge.diffusion.schedule import BlockPlan
+        BlockPlan.for_request(params.max_tokens, params.diffusion_block_length,
+                              params.diffusion_steps)          # refuse a bad schedule now
+        self._waiting[request_id] = _Waiting(request_id, text, ids, params,
+                                             time.monotonic() if arrival_time is None
+                                             else arrival_time)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._waiting.pop(str(request_id), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        if not self._waiting:
+            return []
+        first = next(iter(self._waiting.values()))
+        key = _loop_key(first.params)
+        batch = [w for w in self._waiting.values()
+                 if _loop_key(w.params) == key][:self.config.max_num_seqs]
+        for w in batch:
+            del self._waiting[w.request_id]
+        started = time.monotonic()
+        generators = [None if w.params.seed is None else
+                      torch.Generator().manual_seed(w.params.seed) for w in batch]
+        result = self.generator.generate([w.token_ids for w in batch], first.params, generators)
+        for field in ("forwards", "query_tokens", "seconds"):
+            setattr(self.stats, field, getattr(self.stats, field) + getattr(result.stats, field))
+        finished = time.monotonic()
+        return [self._output(w, ids, started, finished) for w, ids in zip(batch, result.token_ids)]
+
+    def _output(self, w: _Waiting, ids: list[int], started: float,
+                finished: float) -> RequestOutput:
+        p = w.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        reason, stop_reason = "length", None
+        for i, t in enumerate(ids):
+            if t in stops and i >= p.min_tokens:
+                reason, stop_reason, ids = "stop", t, ids[:i]
+                break
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        for s in p.stop:
+            at = text.find(s)
+            if at >= 0:
+                reason, stop_reason = "stop", s
+                text = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+        metrics = RequestMetrics(arrival_time=w.arrival, first_scheduled_time=started,
+                                 first_token_time=finished, finished_time=finished)
+        return RequestOutput(w.request_id, w.prompt, w.token_ids,
+                             [CompletionOutput(0, text, list(ids), reason, stop_reason)],
+                             finished=True, metrics=metrics)

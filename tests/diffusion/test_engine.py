@@ -1,0 +1,144 @@
+"""LLM / DiffusionEngine on a saved tiny model, and kvforge train-diffusion end to end."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kvforge.diffusion.byte_tokenizer import EOS_ID, MASK_ID, VOCAB_SIZE
+from kvforge.diffusion.commands import save_model
+from kvforge.diffusion.generator import DiffusionGenerator
+from kvforge.sampling_params import SamplingParams
+from tests.diffusion.factories import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model = tiny_model(vocab_size=VOCAB_SIZE, mask_token_id=MASK_ID, eos_token_ids=[EOS_ID],
+                       tie_word_embeddings=True)
+    path = str(tmp_path_factory.mktemp("diffusion") / "tiny")
+    save_model(model, path, {"note": "random"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from kvforge import LLM
+    return LLM(model_dir, num_threads=1)
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_llm_picks_the_diffusion_engine_and_batches(llm, model_dir):
+    from kvforge.diffusion.engine import DiffusionEngine
+    assert isinstance(llm.engine, DiffusionEngine)
+    prompts = ["To be, or", "Hello"]
+    params = greedy(max_tokens=8, diffusion_block_length=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    direct = DiffusionGenerator(llm.engine.model).generate(
+        [llm.tokenizer.encode(p) for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == direct.token_ids
+    assert [o.outputs[0].text for o in outs] == [llm.tokenizer.decode(t) for t in direct.token_ids]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.engine.stats.forwards == 8          # one batch of two, one token per step
+
+
+def test_requests_with_different_loop_settings_run_in_separate_batches(llm):
+    before = llm.engine.stats.forwards
+    outs = llm.generate(["ab", "cd", "ef"],
+                        [greedy(max_tokens=4, diffusion_block_length=4, ignore_eos=True),
+                         greedy(max_tokens=8, diffusion_block_length=4, ignore_eos=True),
+                         greedy(max_tokens=4, diffusion_block_length=4, ignore_eos=True)],
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 8, 4]
+    assert llm.engine.stats.forwards - before == 4 + 8
+
+
+def test_output_stops_at_eos(llm):
+    engine = llm.engine
+    w = type("W", (), {})()
+    w.request_id, w.prompt, w.token_ids, w.arrival = "x", None, [1], 0.0
+    w.params = greedy(max_tokens=6)
+    out = engine._output(w, [72, 105, EOS_ID, 72, 72, 72], 0.0, 0.0)
+    assert out.outputs[0].token_ids == [72, 105] and out.outputs[0].text == "Hi"
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == EOS_ID
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", greedy(max_tokens=4), "prompt must not be empty"),
+    ([MASK_ID], greedy(max_tokens=4), "not the mask token 257"),
+    ("ab", SamplingParams(n=2, max_tokens=4), "n=2"),
+    ("ab", greedy(max_tokens=4, logprobs=1), "logprobs is not supported"),
+    ("ab", greedy(max_tokens=256), "exceeds the model's 256 positions"),
+    ("ab", greedy(max_tokens=8, diffusion_block_length=4, diffusion_steps=3),
+     "diffusion_steps (3) must be a multiple"),
+])
+def test_bad_requests_refused(llm, prompt, params, message):
+    with pytest.raises(ValueError) as err:
+        llm.generate([prompt], params, use_tqdm=False)
+    assert message in str(err.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_saved_model_round_trips_in_llada_layout(model_dir, llm):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["LLaDAModelLM"]
+    from safetensors import safe_open
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.transformer.blocks.0.attn_out.weight" in names
+    assert "model.transformer.wte.weight" in names and "model.layers.0.mlp.up_proj.weight" not in names
+    reference = tiny_model(vocab_size=VOCAB_SIZE, mask_token_id=MASK_ID, eos_token_ids=[EOS_ID],
+                           tie_word_embeddings=True)
+    for name, p in reference.state_dict().items():
+        torch.testing.assert_close(llm.engine.model.state_dict()[name], p, rtol=0, atol=0)
+
+
+def test_dream_layout_loads_qwen2_names(tmp_path):
+    from safetensors.torch import save_file
+    from kvforge.loader.source import load_model_source
+    from kvforge.models.diffusion_lm import load_diffusion_model
+    model = tiny_model("dream", seed=3)
+    cfg = model.config
+    config = {"architectures": ["DreamModel"], "model_type": "Dream", "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+              "intermediate_size": cfg.intermediate_size, "mask_token_id": cfg.mask_token_id,
+              "max_position_embeddings": cfg.max_position, "rms_norm_eps": cfg.rms_norm_eps}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    loaded = load_diffusion_model(load_model_source(str(tmp_path)))
+    assert loaded.config.logits_shift == 1 and loaded.config.qkv_bias
+    ids = torch.tensor([[1, 2, 3, 4]])
+    pos = torch.arange(4).unsqueeze(0)
+    # the factory's model hides the mask column (-inf); every other logit must agree exactly
+    torch.testing.assert_close(loaded(ids, pos)[..., :-1], model(ids, pos)[..., :-1],
+                               rtol=0, atol=0)
+
+
+def test_bad_config_refused(tmp_path):
+    from kvforge.models.diffusion_lm import DiffusionLMConfig
+    with pytest.raises(ValueError, match="mask_token_id must be a token id in \\[0, 64\\), got 64"):
+        DiffusionLMConfig("llada", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                          num_kv_heads=4, intermediate_size=8, mask_token_id=64)
+    with pytest.raises(ValueError, match="needs mask_token_id"):
+        DiffusionLMConfig.from_hf_dict({"architectures": ["LLaDAModelLM"], "d_model": 8})
+
+
+def test_train_diffusion_cli_saves_a_loadable_model(tmp_path, monkeypatch):
+    from kvforge.cli import main
+    from kvforge.engine.llm import LLM
+    monkeypatch.setenv("KVFORGE_MODELS_DIR", str(tmp_path))
+    assert main(["train-diffusion", "--steps", "2", "--hidden-size", "32", "--layers", "1",
+                 "--intermediate-size", "64", "--batch", "2", "--seq-len", "32"]) == 0
+    with open(tmp_path / "tiny-diffusion" / "training.json") as f:
+        report = json.load(f)
+    assert report["steps"] == 2 and report["parameters"] > 0
+    out = LLM("tiny-diffusion", num_threads=1).generate(
+        ["Hi"], greedy(max_tokens=4, diffusion_block_length=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 4
