@@ -86,7 +86,7 @@ class SamplingParams:
         self._validate_diffusion()
 
     def _validate_diffusion(self) -> None:
-        from kvforge.diffusion.schedule import CACHE_MODES, REMASKING
+        from kvforge.diffusion import CACHE_MODES, REMASKING
         if self.diffusion_steps is not None and (not isinstance(self.diffusion_steps, int)
                                                  or self.diffusion_steps < 1):
             raise ValueError(f"diffusion_steps must be None or an integer >= 1, got "

@@ -84,6 +84,21 @@ class DiffusionEngine:
         self._waiting: dict[str, _Waiting] = {}
         self._ids = itertools.count()
 
+    # what the server's stats read from an engine: no paged KV pool, nothing runs between
+    # steps (a step finishes its batch), no prefix cache, no grammar support
+    kv_cache_usage = 0.0
+    num_free_blocks = 0
+    prefix_cache_stats = None
+    grammar_compiler = None
+
+    @property
+    def scheduler(self):
+        from types import SimpleNamespace
+        return SimpleNamespace(num_running=0, num_waiting=len(self._waiting))
+
+    def shutdown(self) -> None:
+        pass
+
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     priority: int = 0) -> str:
@@ -160,4 +175,4 @@ class DiffusionEngine:
                                  first_token_time=finished, finished_time=finished)
         return RequestOutput(w.request_id, w.prompt, w.token_ids,
                              [CompletionOutput(0, text, list(ids), reason, stop_reason)],
-                             finished=True, metrics=metrics)
+                             finished=True, metrics=metrics, deltas=[text])

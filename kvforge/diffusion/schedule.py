@@ -14,9 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-REMASKING = ("low_confidence", "random", "entropy", "margin")
-CACHE_MODES = ("none", "prefix", "dual")
-
 
 @dataclass(frozen=True)
 class BlockPlan:

@@ -123,8 +123,10 @@ def train(opts: DiffusionTraining, progress: bool = True) -> tuple[MaskedDiffusi
     for step in bar:
         if time.perf_counter() > deadline:
             break
-        lr = opts.lr * min(1.0, (step + 1) / opts.warmup) * 0.5 * (
-            1 + math.cos(math.pi * step / opts.steps))
+        # cosine decay over whichever runs out first, steps or time: a run the time cap
+        # stops (a busy machine) still ends annealed
+        done = max(step / opts.steps, (time.perf_counter() - t0) / (deadline - t0))
+        lr = opts.lr * min(1.0, (step + 1) / opts.warmup) * 0.5 * (1 + math.cos(math.pi * done))
         for group in optim.param_groups:
             group["lr"] = lr
         loss = diffusion_loss(model, *masked_batch(train_data, opts, gen))

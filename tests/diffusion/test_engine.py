@@ -142,3 +142,33 @@ def test_train_diffusion_cli_saves_a_loadable_model(tmp_path, monkeypatch):
     out = LLM("tiny-diffusion", num_threads=1).generate(
         ["Hi"], greedy(max_tokens=4, diffusion_block_length=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) <= 4
+
+
+def test_server_serves_a_diffusion_model(model_dir):
+    import httpx
+    from kvforge.server.background import BackgroundServer
+    server = BackgroundServer({"model": model_dir, "num_threads": 1})
+    try:
+        body = {"model": "model", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "diffusion_block_length": 4, "parallel_threshold": 0.9,
+                "diffusion_cache": "dual"}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                diffusion_block_length=4, parallel_threshold=0.9,
+                                diffusion_cache="dual")
+        engine = server.engine.engine
+        direct = DiffusionGenerator(engine.model).generate([engine.tokenizer.encode("Hello")],
+                                                           params)
+        assert choice["text"] == engine.tokenizer.decode(direct.token_ids[0])
+        streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True},
+                              timeout=60)
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == choice["text"]
+        bad = httpx.post(f"{server.url}/v1/completions",
+                         json={**body, "diffusion_cache": "both"}, timeout=60)
+        assert bad.status_code == 400 and "both" in bad.text
+    finally:
+        server.stop()
