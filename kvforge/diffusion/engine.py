@@ -3,13 +3,16 @@
 either one the same way; ``create_engine`` picks by the model's architecture.
 
     add_request  tokenize, validate, queue (SamplingParams checked like any request)
-    step()       the oldest waiting request and every waiting one with the same loop settings
-                 (max_tokens, steps, block, remasking, threshold, cache, temperature), up to
-                 max_num_seqs, run as one batch to the end (generator.py)
-                 -> finished RequestOutputs (text cut at the first EOS / stop token / stop string)
+    step()       no batch running: the oldest waiting request and every waiting one with the
+                 same loop settings (max_tokens, steps, block, remasking, threshold, cache,
+                 temperature), up to max_num_seqs, become the running batch (generator.py);
+                 then one block of it is filled -> a RequestOutput per request with the text
+                 of that block as its delta (finished at the first EOS / stop token / stop
+                 string, or after the last block). Requests arriving meanwhile wait for the
+                 batch to end; the batch ends early once every request in it has stopped.
 
-A step finishes its requests: no streaming of committed blocks, and no prefix reuse between
-requests (each batch refreshes its own cache).
+No prefix reuse between requests: each batch refreshes its own cache (a prompt's K/V depend on
+the whole canvas after it under bidirectional attention, so another request's are not exact).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.config import EngineConfig
-from kvforge.diffusion.generator import DiffusionGenerator, DiffusionStats
+from kvforge.diffusion.generator import DiffusionBatch, DiffusionGenerator, DiffusionStats
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -58,6 +61,16 @@ class _Waiting:
     arrival: float
 
 
+@dataclass
+class _Running:
+    batch: DiffusionBatch
+    requests: list[_Waiting]         # one per canvas row
+    emitted: list[int]               # characters of each row's text streamed so far
+    finished: list[bool]             # stopped or aborted: no more outputs
+    started: float
+    first_block_time: float | None = None
+
+
 def _loop_key(p: SamplingParams) -> tuple:
     return (p.max_tokens, p.diffusion_steps, p.diffusion_block_length, p.remasking,
             p.parallel_threshold, p.diffusion_cache, p.temperature)
@@ -82,6 +95,7 @@ class DiffusionEngine:
                                  self.model.config.max_position)
         self.stats = DiffusionStats()          # summed over every batch run
         self._waiting: dict[str, _Waiting] = {}
+        self._running: _Running | None = None
         self._ids = itertools.count()
 
     # what the server's stats read from an engine: no paged KV pool, nothing runs between
@@ -94,7 +108,9 @@ class DiffusionEngine:
     @property
     def scheduler(self):
         from types import SimpleNamespace
-        return SimpleNamespace(num_running=0, num_waiting=len(self._waiting))
+        run = self._running
+        running = 0 if run is None else run.finished.count(False)
+        return SimpleNamespace(num_running=running, num_waiting=len(self._waiting))
 
     def shutdown(self) -> None:
         pass
@@ -104,7 +120,8 @@ class DiffusionEngine:
                     priority: int = 0) -> str:
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._waiting:
+        if request_id in self._waiting or (self._running is not None and any(
+                w.request_id == request_id for w in self._running.requests)):
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -133,34 +150,63 @@ class DiffusionEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        self._waiting.pop(str(request_id), None)
+        request_id = str(request_id)
+        self._waiting.pop(request_id, None)
+        run = self._running
+        if run is not None:
+            for row, w in enumerate(run.requests):
+                if w.request_id == request_id:
+                    run.finished[row] = True
+            if all(run.finished):
+                self._running = None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting)
+        return bool(self._waiting) or self._running is not None
 
     def step(self) -> list[RequestOutput]:
-        if not self._waiting:
+        if self._running is None and not self._start_batch():
             return []
+        run = self._running
+        before = run.batch.stats.forwards, run.batch.stats.query_tokens, run.batch.stats.seconds
+        run.batch.run_block()
+        if run.first_block_time is None:
+            run.first_block_time = time.monotonic()
+        after = run.batch.stats
+        self.stats.forwards += after.forwards - before[0]
+        self.stats.query_tokens += after.query_tokens - before[1]
+        self.stats.seconds += after.seconds - before[2]
+        outputs = []
+        for row, (w, ids) in enumerate(zip(run.requests, run.batch.tokens())):
+            if not run.finished[row]:
+                out = self._output(run, row, w, ids)
+                run.finished[row] = out.finished
+                outputs.append(out)
+        if all(run.finished):
+            self._running = None
+        return outputs
+
+    def _start_batch(self) -> bool:
+        if not self._waiting:
+            return False
         first = next(iter(self._waiting.values()))
         key = _loop_key(first.params)
         batch = [w for w in self._waiting.values()
                  if _loop_key(w.params) == key][:self.config.max_num_seqs]
         for w in batch:
             del self._waiting[w.request_id]
-        started = time.monotonic()
         generators = [None if w.params.seed is None else
                       torch.Generator().manual_seed(w.params.seed) for w in batch]
-        result = self.generator.generate([w.token_ids for w in batch], first.params, generators)
-        for field in ("forwards", "query_tokens", "seconds"):
-            setattr(self.stats, field, getattr(self.stats, field) + getattr(result.stats, field))
-        finished = time.monotonic()
-        return [self._output(w, ids, started, finished) for w, ids in zip(batch, result.token_ids)]
+        self._running = _Running(self.generator.start([w.token_ids for w in batch],
+                                                      first.params, generators),
+                                 batch, [0] * len(batch), [False] * len(batch), time.monotonic())
+        return True
 
-    def _output(self, w: _Waiting, ids: list[int], started: float,
-                finished: float) -> RequestOutput:
+    def _output(self, run: _Running, row: int, w: _Waiting, ids: list[int]) -> RequestOutput:
+        """The request's output after the latest block: its committed tokens cut at a stop,
+        the text since the last output as the delta."""
         p = w.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        reason, stop_reason = "length", None
+        reason, stop_reason = None, None
         for i, t in enumerate(ids):
             if t in stops and i >= p.min_tokens:
                 reason, stop_reason, ids = "stop", t, ids[:i]
@@ -171,8 +217,19 @@ class DiffusionEngine:
             if at >= 0:
                 reason, stop_reason = "stop", s
                 text = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
-        metrics = RequestMetrics(arrival_time=w.arrival, first_scheduled_time=started,
-                                 first_token_time=finished, finished_time=finished)
+                break
+        if reason is None and run.batch.done:
+            reason = "length"
+        shown = text
+        if reason is None:
+            # a multi-byte character cut by the block boundary decodes as U+FFFD: hold it back
+            shown = text.rstrip("\ufffd")
+        delta = shown[run.emitted[row]:]
+        run.emitted[row] = max(run.emitted[row], len(shown))
+        now = time.monotonic()
+        metrics = RequestMetrics(arrival_time=w.arrival, first_scheduled_time=run.started,
+                                 first_token_time=run.first_block_time,
+                                 finished_time=now if reason else None)
         return RequestOutput(w.request_id, w.prompt, w.token_ids,
                              [CompletionOutput(0, text, list(ids), reason, stop_reason)],
-                             finished=True, metrics=metrics, deltas=[text])
+                             finished=reason is not None, metrics=metrics, deltas=[delta])

@@ -44,38 +44,22 @@ class DiffusionGenerator:
         self.mask_id = model.config.mask_token_id
         self.shift = model.config.logits_shift
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generators: list[torch.Generator | None] | None = None) -> DiffusionResult:
+        """Every block of a batch, start to end."""
+        batch = self.start(prompts, params, generators)
+        while not batch.done:
+            batch.run_block()
+        return DiffusionResult(batch.tokens(), batch.stats)
+
+    def start(self, prompts: list[list[int]], params: SamplingParams,
+              generators: list[torch.Generator | None] | None = None) -> "DiffusionBatch":
+        """A batch to advance block by block (the engine streams each finished block)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("diffusion generation needs at least one non-empty prompt")
         plan = BlockPlan.for_request(params.max_tokens, params.diffusion_block_length,
                                      params.diffusion_steps)
-        generators = generators or [None] * len(prompts)
-        t0 = time.perf_counter()
-        stats = DiffusionStats()
-        canvas, positions, key_mask, start = self._canvas(prompts, plan.gen_length)
-        cache = None if params.diffusion_cache == "none" else DiffusionKVCache(
-            self.model.config.num_layers)
-        for block_start, block_end in plan.blocks():
-            s, e = start + block_start, start + block_end
-            masked = canvas[:, s:e] == self.mask_id
-            schedule = (None if params.parallel_threshold is not None
-                        else num_transfer_tokens(masked.sum(1), plan.steps_per_block))
-            step = 0
-            while masked.any() and (schedule is None or step < plan.steps_per_block):
-                counts = None if schedule is None else schedule[:, step]
-                if counts is None or counts.any():
-                    logits = self._block_logits(canvas, positions, key_mask, cache, s, e,
-                                                params.diffusion_cache, refresh=step == 0, stats=stats)
-                    x0, confidence = propose(logits, params.temperature, params.remasking,
-                                             generators, self.mask_id)
-                    commit = select_commits(confidence, masked, counts, params.parallel_threshold)
-                    canvas[:, s:e] = torch.where(commit, x0, canvas[:, s:e])
-                    masked = canvas[:, s:e] == self.mask_id
-                step += 1
-        stats.seconds = time.perf_counter() - t0
-        return DiffusionResult(canvas[:, start:].tolist(), stats)
+        return DiffusionBatch(self, prompts, params, plan, generators or [None] * len(prompts))
 
     def _canvas(self, prompts: list[list[int]], gen_length: int):
         """Left-padded canvas [B, P + G], per-row positions, the key mask (None without
@@ -110,3 +94,55 @@ class DiffusionGenerator:
         stats.forwards += 1
         stats.query_tokens += canvas.shape[0] * (q_end - q_start)
         return logits
+
+
+class DiffusionBatch:
+    """One batch's canvas, cache and progress; ``run_block`` fills the next block."""
+
+    def __init__(self, gen: DiffusionGenerator, prompts: list[list[int]], params: SamplingParams,
+                 plan: BlockPlan, generators: list[torch.Generator | None]) -> None:
+        self.gen, self.params, self.plan, self.generators = gen, params, plan, generators
+        self.stats = DiffusionStats()
+        self.canvas, self.positions, self.key_mask, self.start = gen._canvas(prompts,
+                                                                            plan.gen_length)
+        self.cache = None if params.diffusion_cache == "none" else DiffusionKVCache(
+            gen.model.config.num_layers)
+        self.blocks = plan.blocks()
+        self.num_done = 0              # blocks filled
+        self.committed = 0             # canvas tokens final, from the prompt's end
+
+    @property
+    def done(self) -> bool:
+        return self.num_done == len(self.blocks)
+
+    def tokens(self) -> list[list[int]]:
+        """The committed tokens of each row (all G once done)."""
+        return self.canvas[:, self.start:self.start + self.committed].tolist()
+
+    @torch.inference_mode()
+    def run_block(self) -> None:
+        t0 = time.perf_counter()
+        gen, params, plan = self.gen, self.params, self.plan
+        block_start, block_end = self.blocks[self.num_done]
+        s, e = self.start + block_start, self.start + block_end
+        canvas = self.canvas
+        masked = canvas[:, s:e] == gen.mask_id
+        schedule = (None if params.parallel_threshold is not None
+                    else num_transfer_tokens(masked.sum(1), plan.steps_per_block))
+        step, refreshed = 0, False
+        while masked.any() and (schedule is None or step < plan.steps_per_block):
+            counts = None if schedule is None else schedule[:, step]
+            if counts is None or counts.any():
+                logits = gen._block_logits(canvas, self.positions, self.key_mask, self.cache, s,
+                                           e, params.diffusion_cache, refresh=not refreshed,
+                                           stats=self.stats)
+                refreshed = True
+                x0, confidence = propose(logits, params.temperature, params.remasking,
+                                         self.generators, gen.mask_id)
+                commit = select_commits(confidence, masked, counts, params.parallel_threshold)
+                canvas[:, s:e] = torch.where(commit, x0, canvas[:, s:e])
+                masked = canvas[:, s:e] == gen.mask_id
+            step += 1
+        self.num_done += 1
+        self.committed = block_end
+        self.stats.seconds += time.perf_counter() - t0

@@ -59,13 +59,58 @@ def test_requests_with_different_loop_settings_run_in_separate_batches(llm):
 
 
 def test_output_stops_at_eos(llm):
-    engine = llm.engine
-    w = type("W", (), {})()
-    w.request_id, w.prompt, w.token_ids, w.arrival = "x", None, [1], 0.0
-    w.params = greedy(max_tokens=6)
-    out = engine._output(w, [72, 105, EOS_ID, 72, 72, 72], 0.0, 0.0)
+    from types import SimpleNamespace
+    from kvforge.diffusion.engine import _Running, _Waiting
+    w = _Waiting("x", None, [1], greedy(max_tokens=6), 0.0)
+    run = _Running(SimpleNamespace(done=False), [w], [0], [False], 0.0)
+    out = llm.engine._output(run, 0, w, [72, 105, EOS_ID, 72, 72, 72])
     assert out.outputs[0].token_ids == [72, 105] and out.outputs[0].text == "Hi"
-    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == EOS_ID
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == EOS_ID and out.deltas == ["Hi"]
+
+
+def test_streams_block_by_block_and_holds_back_a_split_character(llm):
+    from types import SimpleNamespace
+    from kvforge.diffusion.engine import _Running, _Waiting
+    w = _Waiting("x", None, [1], greedy(max_tokens=4, ignore_eos=True), 0.0)
+    batch = SimpleNamespace(done=False)
+    run = _Running(batch, [w], [0], [False], 0.0)
+    first = llm.engine._output(run, 0, w, [72, 0xC3])          # "H" + half of "é"
+    assert not first.finished and first.deltas == ["H"]
+    batch.done = True
+    last = llm.engine._output(run, 0, w, [72, 0xC3, 0xA9, 33])
+    assert last.finished and last.deltas == ["é!"] and last.outputs[0].text == "Hé!"
+
+
+def test_engine_steps_one_block_at_a_time(llm):
+    engine = llm.engine
+    params = greedy(max_tokens=8, diffusion_block_length=4, ignore_eos=True)
+    engine.add_request("a", "Hello", params)
+    engine.add_request("b", "Hi", params)
+    first = engine.step()
+    assert [len(o.outputs[0].token_ids) for o in first] == [4, 4]
+    assert not any(o.finished for o in first) and engine.scheduler.num_running == 2
+    second = engine.step()
+    assert all(o.finished for o in second) and not engine.has_unfinished_requests()
+    direct = DiffusionGenerator(engine.model).generate(
+        [engine.tokenizer.encode("Hello"), engine.tokenizer.encode("Hi")], params)
+    assert [o.outputs[0].token_ids for o in second] == direct.token_ids
+    assert [first[i].deltas[0] + second[i].deltas[0] for i in range(2)] == [
+        o.outputs[0].text for o in second]
+
+
+def test_abort_mid_batch(llm):
+    engine = llm.engine
+    params = greedy(max_tokens=8, diffusion_block_length=4, ignore_eos=True)
+    engine.add_request("a", "Hello", params)
+    engine.add_request("b", "Hi", params)
+    engine.step()
+    engine.abort_request("a")
+    assert [o.request_id for o in engine.step()] == ["b"]
+    engine.add_request("c", "Hey", params)
+    engine.step()
+    engine.abort_request("c")
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompt,params,message", [
