@@ -143,12 +143,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
+    g = p.add_argument_group("masked-diffusion models (docs/diffusion.md)")
+    g.add_argument("--diffusion-steps", type=int, default=None,
+                   help="denoising steps over the max-tokens canvas (default: one token a step)")
+    g.add_argument("--diffusion-block-length", type=int, default=32)
+    g.add_argument("--remasking", default="low_confidence",
+                   help="low_confidence | random | entropy | margin")
+    g.add_argument("--parallel-threshold", type=float, default=None, metavar="TAU",
+                   help="Fast-dLLM: commit every masked token above this confidence")
+    g.add_argument("--diffusion-cache", default="none", help="none | prefix | dual")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                          diffusion_steps=args.diffusion_steps,
+                          diffusion_block_length=args.diffusion_block_length,
+                          remasking=args.remasking, parallel_threshold=args.parallel_threshold,
+                          diffusion_cache=args.diffusion_cache)
 
 
 def _stream(engine, prompt, params) -> str:
@@ -166,9 +179,9 @@ def _stream(engine, prompt, params) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvforge.engine.llm_engine import LLMEngine
     from kvforge.config import EngineConfig
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    from kvforge.diffusion.engine import create_engine
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     prompt = args.prompt
     # default: wrap the prompt when the model has a template (instruct models); base models
@@ -183,9 +196,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvforge.engine.llm_engine import LLMEngine
     from kvforge.config import EngineConfig
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    from kvforge.diffusion.engine import create_engine
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:

@@ -91,6 +91,14 @@ class DiffusionLMConfig:
                              f"{sorted(DIFFUSION_LAYOUTS)}")
         if d.get("mask_token_id") is None:
             raise ValueError("a masked-diffusion config needs mask_token_id")
+        # options of the published configs this family does not implement: refused, not ignored
+        defaults = ({"block_type": "llama", "alibi": False, "rope": True, "input_emb_norm": False,
+                     "scale_logits": False, "clip_qkv": None} if layout == "llada"
+                    else {"rope_scaling": None})
+        unsupported = {k: d[k] for k, v in defaults.items() if k in d and d[k] != v}
+        if unsupported:
+            raise ValueError(f"unsupported {layout} config options {unsupported} (supported: "
+                             f"{defaults})")
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         if layout == "llada":

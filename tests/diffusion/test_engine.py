@@ -171,6 +171,9 @@ def test_bad_config_refused(tmp_path):
     with pytest.raises(ValueError, match="mask_token_id must be a token id in \\[0, 64\\), got 64"):
         DiffusionLMConfig("llada", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                           num_kv_heads=4, intermediate_size=8, mask_token_id=64)
+    with pytest.raises(ValueError, match="unsupported llada config options {'alibi': True}"):
+        DiffusionLMConfig.from_hf_dict({"architectures": ["LLaDAModelLM"], "mask_token_id": 1,
+                                        "alibi": True})
     with pytest.raises(ValueError, match="needs mask_token_id"):
         DiffusionLMConfig.from_hf_dict({"architectures": ["LLaDAModelLM"], "d_model": 8})
 
@@ -217,3 +220,13 @@ def test_server_serves_a_diffusion_model(model_dir):
         assert bad.status_code == 400 and "both" in bad.text
     finally:
         server.stop()
+
+
+def test_cli_generate_streams_a_diffusion_model(model_dir, capsys):
+    from kvforge.cli import main
+    assert main(["generate", "Hello", "--model", model_dir, "--max-tokens", "8",
+                 "--diffusion-block-length", "4", "--parallel-threshold", "0.5",
+                 "--diffusion-cache", "prefix", "--num-threads", "1"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+    assert main(["generate", "Hello", "--model", model_dir, "--diffusion-cache", "both"]) == 2
+    assert "diffusion_cache must be one of none, prefix, dual, got 'both'" in capsys.readouterr().err
