@@ -140,11 +140,14 @@ class DiffusionLMConfig:
 
 class DiffusionKVCache:
     """K/V of every canvas position per layer, [B, KVH, L, D], from the last full forward (a
-    refresh). A partial forward over positions [start, end) attends to the cached K/V with that
-    span replaced by its fresh K/V, and writes nothing back (Fast-dLLM's approximate cache):
+    refresh). A partial forward over positions [start, end) writes its fresh K/V over that span
+    and attends to the whole tensor (Fast-dLLM's approximate cache):
 
         keys = cache[:, :, :start] | fresh span | cache[:, :, end:]
                (prefix cache: end = L, no suffix; dual cache: end = block end)
+
+    Writing in place is exact, not a shortcut: until the next refresh every partial forward
+    covers the same span, so a span position's cached K/V is never read before it is rewritten.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -160,8 +163,9 @@ class DiffusionKVCache:
         if ck is None:
             raise ValueError("a partial forward needs a refreshed cache first")
         end = start + k.shape[2]
-        return (torch.cat((ck[:, :, :start], k, ck[:, :, end:]), dim=2),
-                torch.cat((cv[:, :, :start], v, cv[:, :, end:]), dim=2))
+        ck[:, :, start:end] = k
+        cv[:, :, start:end] = v
+        return ck, cv
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

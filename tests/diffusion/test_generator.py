@@ -166,3 +166,30 @@ def test_empty_prompt_and_overlong_canvas_refused():
         run(model, [[]])
     with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
         run(model, [PROMPT], max_tokens=250)
+
+
+class _ConcatCache:
+    """Fast-dLLM's cache as written: a partial forward attends to cat(cache, fresh span,
+    cache) and the cache is never written between refreshes."""
+
+    def attend_keys(self, layer, k, v, start, refresh):
+        if refresh:
+            self.keys[layer], self.values[layer] = k.clone(), v.clone()
+            return k, v
+        ck, cv = self.keys[layer], self.values[layer]
+        end = start + k.shape[2]
+        return (torch.cat((ck[:, :, :start], k, ck[:, :, end:]), dim=2),
+                torch.cat((cv[:, :, :start], v, cv[:, :, end:]), dim=2))
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+@pytest.mark.parametrize("layout", ["llada", "dream"])
+def test_in_place_cache_equals_concatenated_cache_between_refreshes(mode, layout, monkeypatch):
+    from kvforge.models import diffusion_lm
+    model = tiny_model(layout, seed=10)
+    kw = dict(max_tokens=16, diffusion_block_length=8, diffusion_cache=mode)
+    ours = run(model, [PROMPT, PROMPT[:3]], **kw)
+    monkeypatch.setattr(diffusion_lm.DiffusionKVCache, "attend_keys", _ConcatCache.attend_keys)
+    reference = run(model, [PROMPT, PROMPT[:3]], **kw)
+    assert ours.token_ids == reference.token_ids
+    assert ours.stats.forwards == reference.stats.forwards == 16
