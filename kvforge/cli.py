@@ -221,8 +221,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvforge.loader.source import load_model_source
     from kvforge.models.registry import get_model_class
+    from kvforge.models.diffusion_lm import DiffusionLMConfig, is_diffusion_architecture
     src = load_model_source(args.model)
     cfg = src.config
+    if is_diffusion_architecture(cfg.architecture):
+        d = DiffusionLMConfig.from_hf_dict(cfg.hf_config)
+        print(f"model:          {src.path}")
+        print(f"architecture:   {cfg.architecture} (masked diffusion, {d.layout} layout, mask "
+              f"token {d.mask_token_id})")
+        print(f"layers:         {d.num_layers}, hidden {d.hidden_size}, heads {d.num_heads} "
+              f"(kv {d.num_kv_heads}), head_dim {d.head_dim}")
+        print(f"context:        {d.max_position} tokens, vocab {d.vocab_size}")
+        print(f"KV cache:       {2 * d.num_layers * d.num_kv_heads * d.head_dim * 4} bytes per "
+              f"canvas position (fp32, prefix / dual cache)")
+        return 0
     model = get_model_class(cfg.architecture)(cfg, device="meta")
     per_token = model.kv_cache_bytes_per_token()
     print(f"model:          {src.path}")

@@ -71,6 +71,25 @@ class _Running:
     first_block_time: float | None = None
 
 
+# engine options of the autoregressive engine a diffusion model cannot honour: refused when set
+# (quantization "auto" / "none" both mean the checkpoint's float weights here)
+_AR_ONLY_OPTIONS = ("kv_cache_dtype", "sparse_attention", "attention_sinks", "sliding_window",
+                    "speculative_method", "early_exit_threshold", "tensor_parallel_size",
+                    "activation_sparsity", "offload_memory_budget", "dtype")
+
+
+def _check_options(config: EngineConfig) -> None:
+    from dataclasses import fields
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    bad = {name: getattr(config, name) for name in _AR_ONLY_OPTIONS
+           if getattr(config, name) != defaults[name]}
+    if config.quantization not in ("auto", "none"):
+        bad["quantization"] = config.quantization
+    if bad:
+        raise ValueError(f"engine options {bad} do not apply to masked-diffusion models "
+                         f"(float32 weights, whole-canvas K/V; docs/diffusion.md)")
+
+
 def _loop_key(p: SamplingParams) -> tuple:
     return (p.max_tokens, p.diffusion_steps, p.diffusion_block_length, p.remasking,
             p.parallel_threshold, p.diffusion_cache, p.temperature)
@@ -81,6 +100,7 @@ class DiffusionEngine:
         from kvforge.engine.llm_engine import default_num_threads
         from kvforge.loader.source import load_model_source
         from kvforge.models.diffusion_lm import load_diffusion_model
+        _check_options(config)
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)

@@ -230,3 +230,19 @@ def test_cli_generate_streams_a_diffusion_model(model_dir, capsys):
     assert capsys.readouterr().out.endswith("\n")
     assert main(["generate", "Hello", "--model", model_dir, "--diffusion-cache", "both"]) == 2
     assert "diffusion_cache must be one of none, prefix, dual, got 'both'" in capsys.readouterr().err
+
+
+def test_autoregressive_engine_options_refused(model_dir):
+    from kvforge import LLM
+    with pytest.raises(ValueError, match="'quantization': 'int8'.*do not apply"):
+        LLM(model_dir, quantization="int8")
+    with pytest.raises(ValueError, match="'speculative_method': 'ngram'"):
+        LLM(model_dir, speculative_method="ngram")
+
+
+def test_cli_info_describes_a_diffusion_model(model_dir, capsys):
+    from kvforge.cli import main
+    assert main(["info", model_dir]) == 0
+    out = capsys.readouterr().out
+    assert "masked diffusion, llada layout, mask token 257" in out
+    assert "KV cache:       256 bytes per canvas position" in out   # K+V x 2 layers x 2 x 8 x 4 B
