@@ -221,7 +221,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvforge.loader.source import load_model_source
     from kvforge.models.registry import get_model_class
-    from kvforge.models.diffusion_lm import DiffusionLMConfig, is_diffusion_architecture
+    from kvforge.models.diffusion_config import DiffusionLMConfig, is_diffusion_architecture
     src = load_model_source(args.model)
     cfg = src.config
     if is_diffusion_architecture(cfg.architecture):

@@ -34,7 +34,7 @@ def is_diffusion_model(model: str | None) -> bool:
     import os
     from kvforge.loader import hf_loader
     from kvforge.loader.catalog import CATALOG, resolve_model
-    from kvforge.models.diffusion_lm import is_diffusion_architecture
+    from kvforge.models.diffusion_config import is_diffusion_architecture
     if model is None or model in CATALOG:
         return False
     path = os.path.abspath(os.path.expanduser(resolve_model(model)))

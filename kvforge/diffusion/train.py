@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.diffusion.byte_tokenizer import MASK_ID, VOCAB_SIZE
-from kvforge.models.diffusion_lm import DiffusionLMConfig, MaskedDiffusionLM
+from kvforge.models.diffusion_config import DiffusionLMConfig
+from kvforge.models.diffusion_lm import MaskedDiffusionLM
 
 HELD_OUT = 0.05
 MIN_MASK_RATE = 1e-3

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.models.diffusion_lm import DiffusionLMConfig, MaskedDiffusionLM
+from kvforge.models.diffusion_config import DiffusionLMConfig
+from kvforge.models.diffusion_lm import MaskedDiffusionLM
 
 VOCAB = 64
 MASK_ID = 63

@@ -167,7 +167,7 @@ def test_dream_layout_loads_qwen2_names(tmp_path):
 
 
 def test_bad_config_refused(tmp_path):
-    from kvforge.models.diffusion_lm import DiffusionLMConfig
+    from kvforge.models.diffusion_config import DiffusionLMConfig
     with pytest.raises(ValueError, match="mask_token_id must be a token id in \\[0, 64\\), got 64"):
         DiffusionLMConfig("llada", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                           num_kv_heads=4, intermediate_size=8, mask_token_id=64)
