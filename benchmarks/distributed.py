@@ -26,6 +26,7 @@ Ends with one ``SUMMARY distributed:`` line.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2, help="ranks of the all-reduce table")
     p.add_argument("--sizes", default=None, help="all-reduce sizes in bytes, comma-separated")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quantization", default="auto",
+                   help="the engines' --quantization: auto runs a GGUF file in its own blocks, "
+                        "none dequantized to fp32")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -74,6 +78,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ranks < 2 or args.batch < 2 or args.output_len < 2 or args.reps < 1:
         raise SystemExit("--ranks >= 2, --batch >= 2, --output-len >= 2, --reps >= 1")
     return args
+
+
+def matmul_bytes_per_param(source, quantization: str) -> float:
+    """Bytes a matmul weight takes as the engines run it: 4 in fp32, the file's own block
+    bytes (decoder projections and head) when a GGUF file runs natively."""
+    from kvforge.quant.loading import auto_quantization
+    if quantization == "auto":
+        quantization = auto_quantization(source)
+    if quantization != "gguf":
+        return 4.0
+    tensors = [t for t in source._reader.tensors if len(t.shape) == 2
+               and (t.name.startswith("blk.") or t.name in ("output.weight", "token_embd.weight"))]
+    return sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
 
 
 # ---------------------------------------------------------------- 1. collectives
@@ -203,6 +220,8 @@ def main(argv=None) -> int:
     print(hardware_line())
     source = load_model_source(args.model)
     shape = ModelShape.from_config(source.config)
+    weight_bytes = matmul_bytes_per_param(source, args.quantization)
+    step_cost = functools.partial(decode_step, weight_bytes=weight_bytes)
 
     table, bcast_s, bcast_bytes = collective_table(args.ranks, args.size_list, args.reps)
     bus = lambda size, t: 2 * (args.ranks - 1) / args.ranks * size / t / 1e9   # noqa: E731
@@ -222,6 +241,8 @@ def main(argv=None) -> int:
     core_bw = ReadBandwidthSampler(sample_bytes, 0.2).sample()
     core_flops = measure_gemm_peak_flops(256 if args.quick else 1024, reps=3)
     torch.set_num_threads(cores)
+    print(f"\nweights: {weight_bytes:.3f} bytes per matmul parameter "
+          f"(--quantization {args.quantization})")
     print(f"\nmachine: {cores} cores, read {node_bw / 1e9:.1f} GB/s (all), "
           f"{core_bw / 1e9:.1f} GB/s (one core), {core_flops / 1e9:.1f} GFLOP/s per core")
     box = ClusterSpec(nodes=1, cores_per_node=cores, node_mem_bw=node_bw, core_mem_bw=core_bw,
@@ -230,7 +251,7 @@ def main(argv=None) -> int:
     prompts = _prompts(args.batch, args.prompt_len, source.config.vocab_size)
     context = args.prompt_len + args.output_len // 2
     common = dict(max_model_len=max(256, args.prompt_len + args.output_len + 8),
-                  kv_cache_memory="256MiB")
+                  kv_cache_memory="256MiB", quantization=args.quantization)
     runs = {
         "TP=1": run_engine(args.model, common, prompts, args.output_len),
         "TP=1, Python layers": run_engine(args.model, common, prompts, args.output_len,
@@ -244,13 +265,13 @@ def main(argv=None) -> int:
     measured_step = {k: s / steps for k, (_, s) in runs.items()}
     # the engine's per-step overhead, calibrated where the model has no comm to predict
     stack = box.with_overhead(measured_step["TP=1"]
-                              - decode_step(shape, args.batch, context, box).compute)
+                              - step_cost(shape, args.batch, context, box).compute)
     python = box.with_overhead(measured_step["TP=1, Python layers"]
-                               - decode_step(shape, args.batch, context, box).compute)
-    predicted = {"TP=1": decode_step(shape, args.batch, context, stack),
-                 "TP=1, Python layers": decode_step(shape, args.batch, context, python),
-                 "TP=2": decode_step(shape, args.batch, context, python, tp=2),
-                 "DP=2": decode_step(shape, args.batch, context, stack, dp=2)}
+                               - step_cost(shape, args.batch, context, box).compute)
+    predicted = {"TP=1": step_cost(shape, args.batch, context, stack),
+                 "TP=1, Python layers": step_cost(shape, args.batch, context, python),
+                 "TP=2": step_cost(shape, args.batch, context, python, tp=2),
+                 "DP=2": step_cost(shape, args.batch, context, stack, dp=2)}
     rows, results = [], {}
     for name, (tokens, seconds) in runs.items():
         p = predicted[name]
@@ -275,7 +296,7 @@ def main(argv=None) -> int:
     what_if = []
     for tp, dp in dict.fromkeys(((1, 1), (n, 1), (1, n), (2, max(1, n // 2)))):
         try:
-            p = decode_step(shape, args.batch * dp, context, cluster, tp=tp, dp=dp)
+            p = step_cost(shape, args.batch * dp, context, cluster, tp=tp, dp=dp)
         except ValueError as e:
             what_if.append([f"TP={tp} DP={dp}", str(e), "", ""])
             continue

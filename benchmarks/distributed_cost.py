@@ -89,9 +89,10 @@ class StepCost:
 
 
 def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec, tp: int = 1,
-                dp: int = 1) -> StepCost:
+                dp: int = 1, weight_bytes: float = 4.0) -> StepCost:
     """One replica's decode step when ``dp`` replicas of ``tp`` ranks share the cluster and
-    ``batch`` sequences."""
+    ``batch`` sequences; ``weight_bytes`` per matmul parameter (4 in fp32, ~0.6 in a GGUF
+    file's 4-bit blocks)."""
     if tp < 1 or dp < 1 or batch <= 0:
         raise ValueError(f"tp, dp must be >= 1 and batch > 0, got {tp}, {dp}, {batch}")
     ranks_on_node = math.ceil(dp * tp / spec.nodes)
@@ -101,7 +102,7 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
     cores = spec.cores_per_node / ranks_on_node
     b = batch / dp
     bw = min(cores * spec.core_mem_bw, spec.node_mem_bw / ranks_on_node)
-    weights = 4.0 * shape.matmul_params
+    weights = weight_bytes * shape.matmul_params
     nbytes = (weights + b * context * shape.kv_bytes_per_cached_token) / tp
     flops = (2.0 * shape.matmul_params * b
              + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * b * context) / tp
@@ -117,8 +118,8 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
 
 
 def decode_tokens_per_second(shape: ModelShape, batch: int, context: int, spec: ClusterSpec,
-                             tp: int = 1, dp: int = 1) -> float:
-    step = decode_step(shape, batch, context, spec, tp, dp)
+                             tp: int = 1, dp: int = 1, weight_bytes: float = 4.0) -> float:
+    step = decode_step(shape, batch, context, spec, tp, dp, weight_bytes)
     return dp * step.batch / step.seconds
 
 

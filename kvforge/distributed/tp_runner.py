@@ -20,8 +20,9 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, open_store
 from kvforge.distributed.executor import WorkerDiedError, create_executor
-from kvforge.distributed.tp_model import load_tensor_parallel_model
-from kvforge.distributed.tp_plan import TensorParallelPlan, check_tensor_parallel_model
+from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
+                                          tensor_parallel_quantization)
+from kvforge.distributed.tp_plan import check_tensor_parallel_model
 from kvforge.distributed.tp_worker import WorkerSpec, error_key, joined_key
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.loader.source import ModelSource
@@ -173,10 +174,12 @@ class TensorParallelModelRunner(ModelRunner):
                     config.distributed_executor_backend, threads_per_rank(config))
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
-        plan = TensorParallelPlan.for_rank(source.config, self.tp.world_size, 0)
+        quantization = tensor_parallel_quantization(self.config.quantization, source,
+                                                    self.dtype, self.device)
+        plan = rank_plan(source, self.tp.world_size, 0, quantization)
         return self.tp.guard(load_tensor_parallel_model, source, plan, self.tp.comm,
-                             attn_backend=self.config.attention_backend, dtype=self.dtype,
-                             device=self.device)
+                             quantization=quantization, attn_backend=self.config.attention_backend,
+                             dtype=self.dtype, device=self.device)
 
     @property
     def supports_decode_steps(self) -> bool:

@@ -22,7 +22,6 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
-from kvforge.distributed.tp_plan import TensorParallelPlan
 from kvforge.kernels.huge_pages import huge_page_zeros
 
 
@@ -65,12 +64,16 @@ def run_worker(spec: WorkerSpec) -> None:
 
 @torch.inference_mode()
 def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
-    from kvforge.distributed.tp_model import load_tensor_parallel_model
+    from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
+                                              tensor_parallel_quantization)
     from kvforge.loader.source import load_model_source
     config = spec.config
     source = load_model_source(config.model)
-    plan = TensorParallelPlan.for_rank(source.config, spec.world_size, spec.rank)
-    model = load_tensor_parallel_model(source, plan, comm, attn_backend=config.attention_backend,
+    quantization = tensor_parallel_quantization(config.quantization, source, config.torch_dtype,
+                                                comm.device)
+    plan = rank_plan(source, spec.world_size, spec.rank, quantization)
+    model = load_tensor_parallel_model(source, plan, comm, quantization=quantization,
+                                       attn_backend=config.attention_backend,
                                        dtype=config.torch_dtype, device=comm.device)
     kv_caches: list[torch.Tensor] = []
     hidden = None

@@ -10,6 +10,7 @@ import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.distributed.executor import WorkerDiedError
+from kvforge.quant.gguf import GGUFLinearMethod
 
 PROMPTS = [[5, 6, 7, 100, 2000], list(range(10, 47)), [300 + 7 * i for i in range(19)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -68,13 +69,17 @@ def test_tp2_greedy_equals_tp1(tiny_model_factory, kind, overrides):
 
 
 @pytest.mark.slow
-def test_tp2_default_model_dequantized_equals_tp1(default_model_path):
+@pytest.mark.parametrize("quantization", ["auto", "none"], ids=["gguf-blocks", "dequantized"])
+def test_tp2_default_model_equals_tp1(default_model_path, quantization):
+    """The default model's Q4_1 file, sliced in its own blocks ("auto") or in fp32."""
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(quantization="none", kv_cache_memory="64MiB", max_model_len=512)
+    kwargs = dict(quantization=quantization, kv_cache_memory="64MiB", max_model_len=512)
     reference = LLM(default_model_path, **kwargs).generate([prompt], params, use_tqdm=False)
     llm = LLM(default_model_path, **kwargs, tensor_parallel_size=2)
     try:
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(down.method, GGUFLinearMethod) == (quantization == "auto")
         ours = llm.generate([prompt], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
