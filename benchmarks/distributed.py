@@ -6,9 +6,9 @@ docs/distributed.md).
     python benchmarks/distributed.py --quick                 # functional run: tiny sizes
     python benchmarks/distributed.py --nodes 4 --cores-per-node 32 --net-gbps 25
 
-1. All-reduce by message size, ``--ranks`` processes: gloo over loopback (what tensor parallel
-   uses) and a shared-memory all-reduce (benchmarks/shm_allreduce.py, spinning waits): median
-   latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
+1. All-reduce by message size, ``--ranks`` processes: gloo over loopback and the shared-memory
+   all-reduce (kvforge/distributed/shm_allreduce.py, spinning waits: what tensor parallel uses
+   between local ranks, gloo across machines): median latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
    fitted to the ring formula's latency a and bandwidth b; the per-step input broadcast
    (pickled object) too.
 2. This machine's parameters: read bandwidth with every core and with one, one core's GEMM
@@ -26,6 +26,7 @@ Ends with one ``SUMMARY distributed:`` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -45,7 +46,7 @@ from benchmarks.distributed_cost import ClusterSpec, decode_step, fit_allreduce
 from benchmarks.hardware import ReadBandwidthSampler, hardware_line, measure_gemm_peak_flops, physical_cores
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table, write_json
-from benchmarks.shm_allreduce import ShmAllReduce
+from kvforge.distributed.shm_allreduce import ShmAllReduce
 
 DEFAULT_SIZES = [4, 64, 1024, 16 << 10, 256 << 10, 4 << 20, 16 << 20]
 QUICK_SIZES = [4, 1024, 64 << 10]
@@ -170,9 +171,13 @@ def _decode_rate(outputs) -> tuple[int, float]:
 
 
 def run_engine(model, engine_kwargs: dict, prompts, output_len: int,
-               python_layers: bool = False) -> tuple[int, float]:
+               python_layers: bool = False, all_reduce: str = "auto") -> tuple[int, float]:
     from kvforge import LLM, SamplingParams
-    llm = LLM(model, **engine_kwargs)
+    os.environ["KVFORGE_TP_ALLREDUCE"] = all_reduce
+    try:
+        llm = LLM(model, **engine_kwargs)
+    finally:
+        os.environ.pop("KVFORGE_TP_ALLREDUCE")
     try:
         if python_layers:
             # what a TP slice runs: the Python layers, one step per engine step (the compiled
@@ -228,11 +233,12 @@ def main(argv=None) -> int:
     rows = [[f"{size:,}", gloo * 1e6, bus(size, gloo), shm * 1e6, bus(size, shm)]
             for size, (gloo, shm) in table.items()]
     print(f"\nall-reduce, {args.ranks} ranks: gloo over loopback vs shared memory "
-          f"(benchmarks/shm_allreduce.py), median of {args.reps}")
+          f"(kvforge/distributed/shm_allreduce.py), median of {args.reps}")
     print(format_table(["bytes", "gloo us", "gloo bus GB/s", "shm us", "shm bus GB/s"], rows))
-    gloo_times = [gloo for gloo, _ in table.values()]
-    link_a, link_b = fit_allreduce(list(table), gloo_times, args.ranks)
-    print(f"ring fit: a = {link_a * 1e6:.1f} us per hop, b = {link_b / 1e9:.2f} GB/s; "
+    link_a, link_b = fit_allreduce(list(table), [g for g, _ in table.values()], args.ranks)
+    shm_a, shm_b = fit_allreduce(list(table), [m for _, m in table.values()], args.ranks)
+    print(f"ring fit: gloo a = {link_a * 1e6:.1f} us per hop, b = {link_b / 1e9:.2f} GB/s; "
+          f"shm a = {shm_a * 1e6:.1f} us, b = {shm_b / 1e9:.2f} GB/s; "
           f"step-input broadcast ({bcast_bytes} B pickled): {bcast_s * 1e6:.0f} us")
 
     sample_bytes = (64 if args.quick else 512) << 20
@@ -245,8 +251,11 @@ def main(argv=None) -> int:
           f"(--quantization {args.quantization})")
     print(f"\nmachine: {cores} cores, read {node_bw / 1e9:.1f} GB/s (all), "
           f"{core_bw / 1e9:.1f} GB/s (one core), {core_flops / 1e9:.1f} GFLOP/s per core")
-    box = ClusterSpec(nodes=1, cores_per_node=cores, node_mem_bw=node_bw, core_mem_bw=core_bw,
-                      core_flops=core_flops, link_latency=link_a, link_bw=min(link_b, 1e12))
+    gloo_box = ClusterSpec(nodes=1, cores_per_node=cores, node_mem_bw=node_bw,
+                           core_mem_bw=core_bw, core_flops=core_flops, link_latency=link_a,
+                           link_bw=min(link_b, 1e12))
+    # what the engine's local ranks use: all-reduces in shared memory, the rest over gloo
+    box = dataclasses.replace(gloo_box, reduce_latency=shm_a, reduce_bw=min(shm_b, 1e12))
 
     prompts = _prompts(args.batch, args.prompt_len, source.config.vocab_size)
     context = args.prompt_len + args.output_len // 2
@@ -258,6 +267,8 @@ def main(argv=None) -> int:
                                           python_layers=True),
         "TP=2": run_engine(args.model, {**common, "tensor_parallel_size": 2}, prompts,
                            args.output_len),
+        "TP=2, gloo all-reduce": run_engine(args.model, {**common, "tensor_parallel_size": 2},
+                                            prompts, args.output_len, all_reduce="gloo"),
         "DP=2": run_data_parallel(args.model, {**common, "num_threads": max(1, cores // 2)},
                                   prompts, args.output_len, 2),
     }
@@ -271,6 +282,9 @@ def main(argv=None) -> int:
     predicted = {"TP=1": step_cost(shape, args.batch, context, stack),
                  "TP=1, Python layers": step_cost(shape, args.batch, context, python),
                  "TP=2": step_cost(shape, args.batch, context, python, tp=2),
+                 "TP=2, gloo all-reduce": step_cost(
+                     shape, args.batch, context,
+                     dataclasses.replace(python, reduce_latency=None, reduce_bw=None), tp=2),
                  "DP=2": step_cost(shape, args.batch, context, stack, dp=2)}
     rows, results = [], {}
     for name, (tokens, seconds) in runs.items():
@@ -291,7 +305,8 @@ def main(argv=None) -> int:
                           node_mem_bw=node_bw * args.cores_per_node / cores, core_mem_bw=core_bw,
                           core_flops=core_flops, link_latency=link_a, link_bw=min(link_b, 1e12),
                           net_latency=args.net_latency_us * 1e-6, net_bw=args.net_gbps / 8 * 1e9,
-                          step_overhead=python.step_overhead)
+                          step_overhead=python.step_overhead, reduce_latency=shm_a,
+                          reduce_bw=min(shm_b, 1e12))
     n = args.nodes
     what_if = []
     for tp, dp in dict.fromkeys(((1, 1), (n, 1), (1, n), (2, max(1, n // 2)))):
@@ -306,12 +321,13 @@ def main(argv=None) -> int:
           f"{args.net_latency_us:g} us per hop (batch {args.batch} per replica; the node "
           f"bandwidth scaled from this machine's per core)")
     print(format_table(["layout", "model tok/s", "ms/step", "comm ms"], what_if))
-    print(f"\nSUMMARY distributed: all-reduce a={link_a * 1e6:.1f}us "
-          f"b={link_b / 1e9:.2f}GB/s | " + " | ".join(
+    print(f"\nSUMMARY distributed: all-reduce gloo a={link_a * 1e6:.1f}us "
+          f"b={link_b / 1e9:.2f}GB/s, shm a={shm_a * 1e6:.1f}us | " + " | ".join(
               f"{k} {v['tok_s']:.1f} tok/s (model {v['predicted_tok_s']:.1f})"
               for k, v in results.items()))
     if args.json:
         write_json(args.json, {"allreduce_seconds_gloo_shm": table, "ring_a": link_a, "ring_b": link_b,
+                               "shm_a": shm_a, "shm_b": shm_b,
                                "broadcast_object_seconds": bcast_s, "node_bw": node_bw,
                                "core_bw": core_bw, "core_flops": core_flops, "runs": results,
                                "what_if": what_if})

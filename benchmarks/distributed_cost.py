@@ -48,9 +48,14 @@ class ClusterSpec:
     net_latency: float = 50e-6    # s per hop between nodes
     net_bw: float = 1.25e9        # B/s per hop between nodes (10 Gbit/s)
     step_overhead: float = 0.0    # s of engine Python per step (scheduling, sampling, outputs)
+    # all-reduces inside a node through shared memory (a, b of their own); None: the link's
+    reduce_latency: float | None = None
+    reduce_bw: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
+            if value is None and name.startswith("reduce_"):
+                continue
             if value < 0 or (name in ("nodes", "cores_per_node") and value < 1):
                 raise ValueError(f"ClusterSpec.{name} must be positive, got {value!r}")
 
@@ -111,7 +116,10 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
     a, link = ((spec.net_latency, spec.net_bw) if spans_nodes
                else (spec.link_latency, spec.link_bw))
     hidden = b * shape.hidden_size * 4
-    comm = ((2 * shape.num_layers + 1) * allreduce_seconds(hidden, tp, a, link)
+    ra, rlink = a, link
+    if not spans_nodes and spec.reduce_latency is not None:
+        ra, rlink = spec.reduce_latency, spec.reduce_bw
+    comm = ((2 * shape.num_layers + 1) * allreduce_seconds(hidden, tp, ra, rlink)
             + allgather_seconds(b * math.ceil(shape.vocab_size / tp) * 4, tp, a, link)
             + 3 * broadcast_seconds(256, tp, a, link) + broadcast_seconds(hidden, tp, a, link))
     return StepCost(compute=compute, comm=comm, overhead=spec.step_overhead, batch=b)

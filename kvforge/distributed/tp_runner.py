@@ -12,14 +12,18 @@ model call mirrored on the workers.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 import weakref
 
 import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, open_store
+from kvforge.distributed import shm_allreduce
 from kvforge.distributed.executor import WorkerDiedError, create_executor
+from kvforge.distributed.shm_allreduce import ShmAllReduce
 from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
                                           tensor_parallel_quantization)
 from kvforge.distributed.tp_plan import check_tensor_parallel_model
@@ -46,29 +50,72 @@ def create_model_runner(config: EngineConfig, source: ModelSource,
     return TensorParallelModelRunner(config, source, max_model_len)
 
 
+ALL_REDUCE_MODES = ("auto", "gloo", "shm")
+MAX_SHM_BYTES = 64 << 20
+
+
+def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
+    """Whether all-reduces go through shared memory (``KVFORGE_TP_ALLREDUCE``: ``auto`` =
+    when every rank is a local process with a core of its own, ``gloo``, ``shm``)."""
+    mode = os.environ.get("KVFORGE_TP_ALLREDUCE", "auto") or "auto"
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"KVFORGE_TP_ALLREDUCE must be one of {ALL_REDUCE_MODES}, got {mode!r}")
+    possible = (backend == "gloo" and config.distributed_executor_backend == "mp"
+                and shm_allreduce.supported())
+    if mode == "shm" and not possible:
+        raise ValueError("KVFORGE_TP_ALLREDUCE=shm needs local CPU ranks (the mp executor, "
+                         "x86 with /dev/shm)")
+    if mode == "auto":
+        # spinning ranks would take cores from each other when there are more ranks than cores
+        return possible and config.tensor_parallel_size <= (os.cpu_count() or 1)
+    return mode == "shm"
+
+
 class TensorParallelGroup:
     """Rank 0's side: the workers' executor and the collectives; every failure of a
     collective while a worker is dead becomes one ``WorkerDiedError``, raised again on every
-    later call."""
+    later call. ``all_reduce_bytes``: the largest all-reduce a step makes (tokens x hidden x
+    4), the shared-memory slot size."""
 
-    def __init__(self, config: EngineConfig, join_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, all_reduce_bytes: int = MAX_SHM_BYTES,
+                 join_timeout: float = 600.0) -> None:
         self.world_size = n = config.tensor_parallel_size
         self.error: WorkerDiedError | None = None
         self._closed = False
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        shm = None
+        if shared_memory_all_reduce(config, backend):
+            shm = ShmAllReduce(f"kvforge-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}", 0, n,
+                               min(all_reduce_bytes, MAX_SHM_BYTES), create=True,
+                               peer_check=self._check_workers)
         self.executor = create_executor(config.distributed_executor_backend, n - 1)
         host = self.executor.host()
         self.store = open_store(host, n)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
         try:
             self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
-                                            threads_per_rank(config), backend)
+                                            threads_per_rank(config), backend,
+                                            shm_name=shm.name if shm else "",
+                                            shm_bytes=shm.max_bytes if shm else 0,
+                                            driver_pid=os.getpid())
                                  for rank in range(1, n)])
             self._wait_joined(join_timeout)
+            if shm is not None:
+                shm.close()       # every rank has it mapped: the file need not outlive them
             self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
+            self.comm.shm = shm
         except BaseException:
             self._closed = True
+            if shm is not None:
+                shm.close()
             self.executor.stop(timeout=0.0)     # the ones started: nothing waits for them
             raise
+
+    def _check_workers(self) -> None:
+        """A shared-memory wait's liveness check: a dead worker fails the collective (as its
+        closed sockets fail gloo's), which ``guard`` turns into its death report."""
+        dead = self.executor.dead_workers()
+        if dead:
+            raise RuntimeError("tensor-parallel worker gone: " + "; ".join(dead))
 
     def _wait_joined(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -159,7 +206,8 @@ class TensorParallelModelRunner(ModelRunner):
         if resolve_attention_window(config, source.config) is not None:
             raise ValueError("tensor parallel runs full attention only: this model or these "
                              "options set an attention window")
-        self.tp = TensorParallelGroup(config)
+        self.tp = TensorParallelGroup(
+            config, config.max_num_batched_tokens * source.config.hidden_size * 4)
         try:
             super().__init__(config, source, max_model_len)
             # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the

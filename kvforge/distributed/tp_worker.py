@@ -22,6 +22,7 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
+from kvforge.distributed.shm_allreduce import ShmAllReduce
 from kvforge.kernels.huge_pages import huge_page_zeros
 
 
@@ -35,6 +36,9 @@ class WorkerSpec:
     num_threads: int
     backend: str = "gloo"
     bind_host: str = ""      # this worker's address for the collectives' sockets (executor)
+    shm_name: str = ""       # the shared-memory all-reduce's file ("" = gloo only)
+    shm_bytes: int = 0
+    driver_pid: int = 0      # rank 0's process, watched while waiting in shared memory
 
 
 def error_key(rank: int) -> str:
@@ -53,9 +57,14 @@ def run_worker(spec: WorkerSpec) -> None:
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     store = connect_store(spec.store_host, spec.store_port, spec.world_size)
     try:
+        # opened before joining: rank 0 unlinks the file once every rank has joined
+        shm = ShmAllReduce(spec.shm_name, spec.rank, spec.world_size, spec.shm_bytes,
+                           create=False, peer_check=lambda: _check_alive(spec.driver_pid)) \
+            if spec.shm_name else None
         store.set(joined_key(spec.rank), str(os.getpid()))
         comm = CommGroup(store, spec.rank, spec.world_size, bind_host=spec.bind_host,
                          backend=spec.backend)
+        comm.shm = shm
         _serve(spec, comm)
     except BaseException:
         store.set(error_key(spec.rank), traceback.format_exc()[-4000:])
@@ -101,6 +110,13 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+
+
+def _check_alive(pid: int) -> None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise RuntimeError(f"tensor-parallel rank 0 (pid {pid}) is gone") from None
 
 
 def _on_device(meta, device: torch.device):

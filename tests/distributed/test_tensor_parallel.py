@@ -69,6 +69,29 @@ def test_tp2_greedy_equals_tp1(tiny_model_factory, kind, overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_all_reduce_in_shared_memory_or_gloo_gives_tp1_tokens(tiny_model_factory, monkeypatch,
+                                                               mode):
+    """Local ranks sum through shared memory by default (``auto``), gloo when asked; the
+    file is unlinked once every rank has mapped it."""
+    monkeypatch.setenv("KVFORGE_TP_ALLREDUCE", mode)
+    path, _ = tiny_model_factory("llama", hidden_size=96, num_attention_heads=6,
+                                 num_key_value_heads=3)
+    llm = _check_tp_matches(path)
+    shm = llm.engine.runner.tp.comm.shm
+    assert (shm is not None) == (mode == "shm")
+    if shm is not None:
+        assert shm.calls > 0 and not os.path.exists(shm.path)
+
+
+def test_shared_memory_all_reduce_mode_is_checked(monkeypatch, tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    monkeypatch.setenv("KVFORGE_TP_ALLREDUCE", "nvlink")
+    with pytest.raises(ValueError, match="KVFORGE_TP_ALLREDUCE must be one of"):
+        LLM(path, **ENGINE, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["auto", "none"], ids=["gguf-blocks", "dequantized"])
 def test_tp2_default_model_equals_tp1(default_model_path, quantization):
     """The default model's Q4_1 file, sliced in its own blocks ("auto") or in fp32."""
