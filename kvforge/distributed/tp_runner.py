@@ -71,6 +71,18 @@ def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
     return mode == "shm"
 
 
+def _shared_choices(config: EngineConfig, source: ModelSource) -> dict[str, str]:
+    """What every rank must choose alike, chosen once here and handed to the workers as
+    environment: the rows from which GGUF blocks multiply as fp32 tiles (measured per
+    machine, kernels/gguf_tiles.py; two ranks measuring at once could disagree, and a rank
+    on the other path would round its partial sums differently from run to run)."""
+    if tensor_parallel_quantization(config.quantization, source, config.torch_dtype,
+                                    config.device) != "gguf":
+        return {}
+    from kvforge.kernels.gguf_tiles import gemm_min_rows
+    return {"KVFORGE_GGUF_GEMM_ROWS": str(gemm_min_rows())}
+
+
 class TensorParallelGroup:
     """Rank 0's side: the workers' executor and the collectives; every failure of a
     collective while a worker is dead becomes one ``WorkerDiedError``, raised again on every
@@ -78,7 +90,7 @@ class TensorParallelGroup:
     4), the shared-memory slot size."""
 
     def __init__(self, config: EngineConfig, all_reduce_bytes: int = MAX_SHM_BYTES,
-                 join_timeout: float = 600.0) -> None:
+                 worker_env: dict[str, str] | None = None, join_timeout: float = 600.0) -> None:
         self.world_size = n = config.tensor_parallel_size
         self.error: WorkerDiedError | None = None
         self._closed = False
@@ -96,7 +108,7 @@ class TensorParallelGroup:
                                             threads_per_rank(config), backend,
                                             shm_name=shm.name if shm else "",
                                             shm_bytes=shm.max_bytes if shm else 0,
-                                            driver_pid=os.getpid())
+                                            driver_pid=os.getpid(), env=worker_env or {})
                                  for rank in range(1, n)])
             self._wait_joined(join_timeout)
             if shm is not None:
@@ -207,7 +219,8 @@ class TensorParallelModelRunner(ModelRunner):
             raise ValueError("tensor parallel runs full attention only: this model or these "
                              "options set an attention window")
         self.tp = TensorParallelGroup(
-            config, config.max_num_batched_tokens * source.config.hidden_size * 4)
+            config, config.max_num_batched_tokens * source.config.hidden_size * 4,
+            worker_env=_shared_choices(config, source))
         try:
             super().__init__(config, source, max_model_len)
             # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the

@@ -39,6 +39,7 @@ class WorkerSpec:
     shm_name: str = ""       # the shared-memory all-reduce's file ("" = gloo only)
     shm_bytes: int = 0
     driver_pid: int = 0      # rank 0's process, watched while waiting in shared memory
+    env: dict = dataclasses.field(default_factory=dict)   # set before anything loads
 
 
 def error_key(rank: int) -> str:
@@ -52,6 +53,7 @@ def joined_key(rank: int) -> str:
 def run_worker(spec: WorkerSpec) -> None:
     """The worker's whole life; a failure is written to the store (for the driver's error
     message) before the process exits."""
+    os.environ.update(spec.env)
     torch.set_num_threads(spec.num_threads)
     if spec.backend == "nccl":             # one GPU per rank on a node
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())

@@ -91,3 +91,21 @@ def test_columns_off_the_blocks_fall_back_to_fp32_rows():
     assert aligned.type_name == "Q4_K"
     torch.testing.assert_close(aligned.dequantize(), blocks.dequantize()[:, 256:],
                                rtol=0, atol=0)
+
+
+@needs_kernels
+def test_ranks_get_the_drivers_tile_crossover(kquant_gguf, monkeypatch):
+    """The rows from which GGUF blocks multiply as fp32 tiles are chosen once, by rank 0, and
+    handed to every worker; a float model hands nothing."""
+    from kvforge.config import EngineConfig
+    from kvforge.distributed.tp_runner import _shared_choices
+    from kvforge.loader.source import load_model_source
+    source = load_model_source(kquant_gguf)
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "96")
+    config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2)
+    assert _shared_choices(config, source) == {"KVFORGE_GGUF_GEMM_ROWS": "96"}
+    monkeypatch.delenv("KVFORGE_GGUF_GEMM_ROWS")
+    monkeypatch.setenv("KVFORGE_TUNE", "0")
+    assert _shared_choices(config, source) == {"KVFORGE_GGUF_GEMM_ROWS": "0"}
+    float_config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2, quantization="none")
+    assert _shared_choices(float_config, source) == {}
