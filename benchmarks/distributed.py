@@ -6,9 +6,9 @@ docs/distributed.md).
     python benchmarks/distributed.py --quick                 # functional run: tiny sizes
     python benchmarks/distributed.py --nodes 4 --cores-per-node 32 --net-gbps 25
 
-1. All-reduce by message size, ``--ranks`` processes: gloo over loopback (what tensor parallel
-   uses) and a shared-memory all-reduce (benchmarks/shm_allreduce.py, spinning waits): median
-   latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
+1. All-reduce by message size, ``--ranks`` processes: gloo over loopback and the shared-memory
+   all-reduce (kvforge/distributed/shm_allreduce.py, spinning waits: what tensor parallel uses
+   between local ranks, gloo across machines): median latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
    fitted to the ring formula's latency a and bandwidth b; the per-step input broadcast
    (pickled object) too.
 2. This machine's parameters: read bandwidth with every core and with one, one core's GEMM
@@ -26,6 +26,8 @@ Ends with one ``SUMMARY distributed:`` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -44,7 +46,7 @@ from benchmarks.distributed_cost import ClusterSpec, decode_step, fit_allreduce
 from benchmarks.hardware import ReadBandwidthSampler, hardware_line, measure_gemm_peak_flops, physical_cores
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table, write_json
-from benchmarks.shm_allreduce import ShmAllReduce
+from kvforge.distributed.shm_allreduce import ShmAllReduce
 
 DEFAULT_SIZES = [4, 64, 1024, 16 << 10, 256 << 10, 4 << 20, 16 << 20]
 QUICK_SIZES = [4, 1024, 64 << 10]
@@ -57,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2, help="ranks of the all-reduce table")
     p.add_argument("--sizes", default=None, help="all-reduce sizes in bytes, comma-separated")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quantization", default="auto",
+                   help="the engines' --quantization: auto runs a GGUF file in its own blocks, "
+                        "none dequantized to fp32")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -74,6 +79,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ranks < 2 or args.batch < 2 or args.output_len < 2 or args.reps < 1:
         raise SystemExit("--ranks >= 2, --batch >= 2, --output-len >= 2, --reps >= 1")
     return args
+
+
+def matmul_bytes_per_param(source, quantization: str) -> float:
+    """Bytes a matmul weight takes as the engines run it: 4 in fp32, the file's own block
+    bytes (decoder projections and head) when a GGUF file runs natively."""
+    from kvforge.quant.loading import auto_quantization
+    if quantization == "auto":
+        quantization = auto_quantization(source)
+    if quantization != "gguf":
+        return 4.0
+    tensors = [t for t in source._reader.tensors if len(t.shape) == 2
+               and (t.name.startswith("blk.") or t.name in ("output.weight", "token_embd.weight"))]
+    return sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
 
 
 # ---------------------------------------------------------------- 1. collectives
@@ -153,9 +171,13 @@ def _decode_rate(outputs) -> tuple[int, float]:
 
 
 def run_engine(model, engine_kwargs: dict, prompts, output_len: int,
-               python_layers: bool = False) -> tuple[int, float]:
+               python_layers: bool = False, all_reduce: str = "auto") -> tuple[int, float]:
     from kvforge import LLM, SamplingParams
-    llm = LLM(model, **engine_kwargs)
+    os.environ["KVFORGE_TP_ALLREDUCE"] = all_reduce
+    try:
+        llm = LLM(model, **engine_kwargs)
+    finally:
+        os.environ.pop("KVFORGE_TP_ALLREDUCE")
     try:
         if python_layers:
             # what a TP slice runs: the Python layers, one step per engine step (the compiled
@@ -203,17 +225,20 @@ def main(argv=None) -> int:
     print(hardware_line())
     source = load_model_source(args.model)
     shape = ModelShape.from_config(source.config)
+    weight_bytes = matmul_bytes_per_param(source, args.quantization)
+    step_cost = functools.partial(decode_step, weight_bytes=weight_bytes)
 
     table, bcast_s, bcast_bytes = collective_table(args.ranks, args.size_list, args.reps)
     bus = lambda size, t: 2 * (args.ranks - 1) / args.ranks * size / t / 1e9   # noqa: E731
     rows = [[f"{size:,}", gloo * 1e6, bus(size, gloo), shm * 1e6, bus(size, shm)]
             for size, (gloo, shm) in table.items()]
     print(f"\nall-reduce, {args.ranks} ranks: gloo over loopback vs shared memory "
-          f"(benchmarks/shm_allreduce.py), median of {args.reps}")
+          f"(kvforge/distributed/shm_allreduce.py), median of {args.reps}")
     print(format_table(["bytes", "gloo us", "gloo bus GB/s", "shm us", "shm bus GB/s"], rows))
-    gloo_times = [gloo for gloo, _ in table.values()]
-    link_a, link_b = fit_allreduce(list(table), gloo_times, args.ranks)
-    print(f"ring fit: a = {link_a * 1e6:.1f} us per hop, b = {link_b / 1e9:.2f} GB/s; "
+    link_a, link_b = fit_allreduce(list(table), [g for g, _ in table.values()], args.ranks)
+    shm_a, shm_b = fit_allreduce(list(table), [m for _, m in table.values()], args.ranks)
+    print(f"ring fit: gloo a = {link_a * 1e6:.1f} us per hop, b = {link_b / 1e9:.2f} GB/s; "
+          f"shm a = {shm_a * 1e6:.1f} us, b = {shm_b / 1e9:.2f} GB/s; "
           f"step-input broadcast ({bcast_bytes} B pickled): {bcast_s * 1e6:.0f} us")
 
     sample_bytes = (64 if args.quick else 512) << 20
@@ -222,21 +247,28 @@ def main(argv=None) -> int:
     core_bw = ReadBandwidthSampler(sample_bytes, 0.2).sample()
     core_flops = measure_gemm_peak_flops(256 if args.quick else 1024, reps=3)
     torch.set_num_threads(cores)
+    print(f"\nweights: {weight_bytes:.3f} bytes per matmul parameter "
+          f"(--quantization {args.quantization})")
     print(f"\nmachine: {cores} cores, read {node_bw / 1e9:.1f} GB/s (all), "
           f"{core_bw / 1e9:.1f} GB/s (one core), {core_flops / 1e9:.1f} GFLOP/s per core")
-    box = ClusterSpec(nodes=1, cores_per_node=cores, node_mem_bw=node_bw, core_mem_bw=core_bw,
-                      core_flops=core_flops, link_latency=link_a, link_bw=min(link_b, 1e12))
+    gloo_box = ClusterSpec(nodes=1, cores_per_node=cores, node_mem_bw=node_bw,
+                           core_mem_bw=core_bw, core_flops=core_flops, link_latency=link_a,
+                           link_bw=min(link_b, 1e12))
+    # what the engine's local ranks use: all-reduces in shared memory, the rest over gloo
+    box = dataclasses.replace(gloo_box, reduce_latency=shm_a, reduce_bw=min(shm_b, 1e12))
 
     prompts = _prompts(args.batch, args.prompt_len, source.config.vocab_size)
     context = args.prompt_len + args.output_len // 2
     common = dict(max_model_len=max(256, args.prompt_len + args.output_len + 8),
-                  kv_cache_memory="256MiB")
+                  kv_cache_memory="256MiB", quantization=args.quantization)
     runs = {
         "TP=1": run_engine(args.model, common, prompts, args.output_len),
         "TP=1, Python layers": run_engine(args.model, common, prompts, args.output_len,
                                           python_layers=True),
         "TP=2": run_engine(args.model, {**common, "tensor_parallel_size": 2}, prompts,
                            args.output_len),
+        "TP=2, gloo all-reduce": run_engine(args.model, {**common, "tensor_parallel_size": 2},
+                                            prompts, args.output_len, all_reduce="gloo"),
         "DP=2": run_data_parallel(args.model, {**common, "num_threads": max(1, cores // 2)},
                                   prompts, args.output_len, 2),
     }
@@ -244,13 +276,16 @@ def main(argv=None) -> int:
     measured_step = {k: s / steps for k, (_, s) in runs.items()}
     # the engine's per-step overhead, calibrated where the model has no comm to predict
     stack = box.with_overhead(measured_step["TP=1"]
-                              - decode_step(shape, args.batch, context, box).compute)
+                              - step_cost(shape, args.batch, context, box).compute)
     python = box.with_overhead(measured_step["TP=1, Python layers"]
-                               - decode_step(shape, args.batch, context, box).compute)
-    predicted = {"TP=1": decode_step(shape, args.batch, context, stack),
-                 "TP=1, Python layers": decode_step(shape, args.batch, context, python),
-                 "TP=2": decode_step(shape, args.batch, context, python, tp=2),
-                 "DP=2": decode_step(shape, args.batch, context, stack, dp=2)}
+                               - step_cost(shape, args.batch, context, box).compute)
+    predicted = {"TP=1": step_cost(shape, args.batch, context, stack),
+                 "TP=1, Python layers": step_cost(shape, args.batch, context, python),
+                 "TP=2": step_cost(shape, args.batch, context, python, tp=2),
+                 "TP=2, gloo all-reduce": step_cost(
+                     shape, args.batch, context,
+                     dataclasses.replace(python, reduce_latency=None, reduce_bw=None), tp=2),
+                 "DP=2": step_cost(shape, args.batch, context, stack, dp=2)}
     rows, results = [], {}
     for name, (tokens, seconds) in runs.items():
         p = predicted[name]
@@ -270,12 +305,13 @@ def main(argv=None) -> int:
                           node_mem_bw=node_bw * args.cores_per_node / cores, core_mem_bw=core_bw,
                           core_flops=core_flops, link_latency=link_a, link_bw=min(link_b, 1e12),
                           net_latency=args.net_latency_us * 1e-6, net_bw=args.net_gbps / 8 * 1e9,
-                          step_overhead=python.step_overhead)
+                          step_overhead=python.step_overhead, reduce_latency=shm_a,
+                          reduce_bw=min(shm_b, 1e12))
     n = args.nodes
     what_if = []
     for tp, dp in dict.fromkeys(((1, 1), (n, 1), (1, n), (2, max(1, n // 2)))):
         try:
-            p = decode_step(shape, args.batch * dp, context, cluster, tp=tp, dp=dp)
+            p = step_cost(shape, args.batch * dp, context, cluster, tp=tp, dp=dp)
         except ValueError as e:
             what_if.append([f"TP={tp} DP={dp}", str(e), "", ""])
             continue
@@ -285,12 +321,13 @@ def main(argv=None) -> int:
           f"{args.net_latency_us:g} us per hop (batch {args.batch} per replica; the node "
           f"bandwidth scaled from this machine's per core)")
     print(format_table(["layout", "model tok/s", "ms/step", "comm ms"], what_if))
-    print(f"\nSUMMARY distributed: all-reduce a={link_a * 1e6:.1f}us "
-          f"b={link_b / 1e9:.2f}GB/s | " + " | ".join(
+    print(f"\nSUMMARY distributed: all-reduce gloo a={link_a * 1e6:.1f}us "
+          f"b={link_b / 1e9:.2f}GB/s, shm a={shm_a * 1e6:.1f}us | " + " | ".join(
               f"{k} {v['tok_s']:.1f} tok/s (model {v['predicted_tok_s']:.1f})"
               for k, v in results.items()))
     if args.json:
         write_json(args.json, {"allreduce_seconds_gloo_shm": table, "ring_a": link_a, "ring_b": link_b,
+                               "shm_a": shm_a, "shm_b": shm_b,
                                "broadcast_object_seconds": bcast_s, "node_bw": node_bw,
                                "core_bw": core_bw, "core_flops": core_flops, "runs": results,
                                "what_if": what_if})

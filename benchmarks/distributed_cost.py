@@ -48,9 +48,14 @@ class ClusterSpec:
     net_latency: float = 50e-6    # s per hop between nodes
     net_bw: float = 1.25e9        # B/s per hop between nodes (10 Gbit/s)
     step_overhead: float = 0.0    # s of engine Python per step (scheduling, sampling, outputs)
+    # all-reduces inside a node through shared memory (a, b of their own); None: the link's
+    reduce_latency: float | None = None
+    reduce_bw: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
+            if value is None and name.startswith("reduce_"):
+                continue
             if value < 0 or (name in ("nodes", "cores_per_node") and value < 1):
                 raise ValueError(f"ClusterSpec.{name} must be positive, got {value!r}")
 
@@ -89,9 +94,10 @@ class StepCost:
 
 
 def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec, tp: int = 1,
-                dp: int = 1) -> StepCost:
+                dp: int = 1, weight_bytes: float = 4.0) -> StepCost:
     """One replica's decode step when ``dp`` replicas of ``tp`` ranks share the cluster and
-    ``batch`` sequences."""
+    ``batch`` sequences; ``weight_bytes`` per matmul parameter (4 in fp32, ~0.6 in a GGUF
+    file's 4-bit blocks)."""
     if tp < 1 or dp < 1 or batch <= 0:
         raise ValueError(f"tp, dp must be >= 1 and batch > 0, got {tp}, {dp}, {batch}")
     ranks_on_node = math.ceil(dp * tp / spec.nodes)
@@ -101,7 +107,7 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
     cores = spec.cores_per_node / ranks_on_node
     b = batch / dp
     bw = min(cores * spec.core_mem_bw, spec.node_mem_bw / ranks_on_node)
-    weights = 4.0 * shape.matmul_params
+    weights = weight_bytes * shape.matmul_params
     nbytes = (weights + b * context * shape.kv_bytes_per_cached_token) / tp
     flops = (2.0 * shape.matmul_params * b
              + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * b * context) / tp
@@ -110,15 +116,18 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
     a, link = ((spec.net_latency, spec.net_bw) if spans_nodes
                else (spec.link_latency, spec.link_bw))
     hidden = b * shape.hidden_size * 4
-    comm = ((2 * shape.num_layers + 1) * allreduce_seconds(hidden, tp, a, link)
+    ra, rlink = a, link
+    if not spans_nodes and spec.reduce_latency is not None:
+        ra, rlink = spec.reduce_latency, spec.reduce_bw
+    comm = ((2 * shape.num_layers + 1) * allreduce_seconds(hidden, tp, ra, rlink)
             + allgather_seconds(b * math.ceil(shape.vocab_size / tp) * 4, tp, a, link)
             + 3 * broadcast_seconds(256, tp, a, link) + broadcast_seconds(hidden, tp, a, link))
     return StepCost(compute=compute, comm=comm, overhead=spec.step_overhead, batch=b)
 
 
 def decode_tokens_per_second(shape: ModelShape, batch: int, context: int, spec: ClusterSpec,
-                             tp: int = 1, dp: int = 1) -> float:
-    step = decode_step(shape, batch, context, spec, tp, dp)
+                             tp: int = 1, dp: int = 1, weight_bytes: float = 4.0) -> float:
+    step = decode_step(shape, batch, context, spec, tp, dp, weight_bytes)
     return dp * step.batch / step.seconds
 
 

@@ -54,10 +54,15 @@ class CommGroup:
             raise ValueError(f"collective backend must be gloo or nccl, got {backend!r}")
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
+        # every rank local: all-reduces that fit go through shared memory (shm_allreduce.py);
+        # the choice depends only on the tensor, so all ranks make it alike
+        self.shm = None
 
     # -------------------------------------------------------------- tensors
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (every rank ends with the same values)."""
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
         self.pg.allreduce([t]).wait()
         return t
 

@@ -19,13 +19,11 @@ def validate_parallel_args(config: "EngineConfig") -> None:
     if n == 1:
         return
     # what the slices do not run yet: each refused by name rather than run wrongly ("auto",
-    # the default, takes what runs: float slices, a GGUF file dequantized)
-    if config.quantization not in (None, "", "none", "auto"):
-        hint = (" (the native GGUF block path is not sliced yet; --quantization none runs a "
-                "GGUF file dequantized to float)" if config.quantization == "gguf" else "")
-        raise ValueError(f"tensor parallel runs float weights only: quantization "
+    # the default, takes what runs: float slices, a GGUF file in its own blocks)
+    if config.quantization not in (None, "", "none", "auto", "gguf"):
+        raise ValueError(f"tensor parallel runs float weights and GGUF blocks only: quantization "
                          f"{config.quantization!r} is not supported with tensor_parallel_size "
-                         f"{n}{hint}")
+                         f"{n}")
     if config.speculative_method not in (None, "none"):
         raise ValueError(f"speculative decoding ({config.speculative_method!r}) is not supported "
                          f"with tensor_parallel_size {n}")

@@ -45,8 +45,11 @@ class TensorParallelPlan:
         return self.rank * self.vocab_shard
 
     @classmethod
-    def for_rank(cls, config: ModelConfig, world_size: int, rank: int) -> "TensorParallelPlan":
-        check_tensor_parallel_model(config, world_size)
+    def for_rank(cls, config: ModelConfig, world_size: int, rank: int,
+                 intermediate_unit: int = 1) -> "TensorParallelPlan":
+        """``intermediate_unit``: the MLP is cut only at multiples of it (the block size of a
+        GGUF ``down_proj``, whose input columns the ranks split: a block is never cut)."""
+        check_tensor_parallel_model(config, world_size, intermediate_unit)
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         group = heads // kv
         if kv >= world_size:
@@ -61,7 +64,8 @@ class TensorParallelPlan:
             q_heads = range(start, start + per)
         return cls(rank=rank, world_size=world_size, head_dim=config.head_dim,
                    q_heads=q_heads, kv_heads=kv_heads,
-                   intermediate=even_range(config.intermediate_size, world_size, rank),
+                   intermediate=_unit_range(config.intermediate_size, intermediate_unit,
+                                            world_size, rank),
                    vocab_size=config.vocab_size,
                    vocab_shard=-(-config.vocab_size // world_size))
 
@@ -74,7 +78,15 @@ class TensorParallelPlan:
             vocab_size=self.vocab_shard)
 
 
-def check_tensor_parallel_model(config: ModelConfig, world_size: int) -> None:
+def _unit_range(n: int, unit: int, parts: int, i: int) -> range:
+    """Part ``i`` of ``n`` items cut into ``parts`` runs of whole ``unit``s (the last unit may
+    be short), as even as the units allow: 8960 = 35 blocks of 256 on 2 ranks -> 4608 + 4352."""
+    units = even_range(-(-n // unit), parts, i)
+    return range(units.start * unit, min(units.stop * unit, n))
+
+
+def check_tensor_parallel_model(config: ModelConfig, world_size: int,
+                                intermediate_unit: int = 1) -> None:
     """ValueError naming what does not split ``world_size`` ways."""
     if config.architecture not in TP_ARCHITECTURES:
         raise ValueError(f"tensor parallel supports the Llama family and Qwen2 "
@@ -87,6 +99,7 @@ def check_tensor_parallel_model(config: ModelConfig, world_size: int) -> None:
                 f"tensor_parallel_size {world_size} does not split the model's {kv} KV heads: "
                 f"with more ranks than KV heads, it must be a multiple of them and each KV "
                 f"head's {heads // kv} query heads must split evenly over {world_size // kv} ranks")
-    if config.intermediate_size < world_size:
-        raise ValueError(f"intermediate_size {config.intermediate_size} is smaller than "
-                         f"tensor_parallel_size {world_size}")
+    if -(-config.intermediate_size // intermediate_unit) < world_size:
+        raise ValueError(f"intermediate_size {config.intermediate_size} has fewer than "
+                         f"tensor_parallel_size {world_size} units of {intermediate_unit} "
+                         f"to split")

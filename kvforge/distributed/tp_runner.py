@@ -12,16 +12,21 @@ model call mirrored on the workers.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 import weakref
 
 import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, open_store
+from kvforge.distributed import shm_allreduce
 from kvforge.distributed.executor import WorkerDiedError, create_executor
-from kvforge.distributed.tp_model import load_tensor_parallel_model
-from kvforge.distributed.tp_plan import TensorParallelPlan, check_tensor_parallel_model
+from kvforge.distributed.shm_allreduce import ShmAllReduce
+from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
+                                          tensor_parallel_quantization)
+from kvforge.distributed.tp_plan import check_tensor_parallel_model
 from kvforge.distributed.tp_worker import WorkerSpec, error_key, joined_key
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.loader.source import ModelSource
@@ -45,29 +50,84 @@ def create_model_runner(config: EngineConfig, source: ModelSource,
     return TensorParallelModelRunner(config, source, max_model_len)
 
 
+ALL_REDUCE_MODES = ("auto", "gloo", "shm")
+MAX_SHM_BYTES = 64 << 20
+
+
+def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
+    """Whether all-reduces go through shared memory (``KVFORGE_TP_ALLREDUCE``: ``auto`` =
+    when every rank is a local process with a core of its own, ``gloo``, ``shm``)."""
+    mode = os.environ.get("KVFORGE_TP_ALLREDUCE", "auto") or "auto"
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"KVFORGE_TP_ALLREDUCE must be one of {ALL_REDUCE_MODES}, got {mode!r}")
+    possible = (backend == "gloo" and config.distributed_executor_backend == "mp"
+                and shm_allreduce.supported())
+    if mode == "shm" and not possible:
+        raise ValueError("KVFORGE_TP_ALLREDUCE=shm needs local CPU ranks (the mp executor, "
+                         "x86 with /dev/shm)")
+    if mode == "auto":
+        # spinning ranks would take cores from each other when there are more ranks than cores
+        return possible and config.tensor_parallel_size <= (os.cpu_count() or 1)
+    return mode == "shm"
+
+
+def _shared_choices(config: EngineConfig, source: ModelSource) -> dict[str, str]:
+    """What every rank must choose alike, chosen once here and handed to the workers as
+    environment: the rows from which GGUF blocks multiply as fp32 tiles (measured per
+    machine, kernels/gguf_tiles.py; two ranks measuring at once could disagree, and a rank
+    on the other path would round its partial sums differently from run to run)."""
+    if tensor_parallel_quantization(config.quantization, source, config.torch_dtype,
+                                    config.device) != "gguf":
+        return {}
+    from kvforge.kernels.gguf_tiles import gemm_min_rows
+    return {"KVFORGE_GGUF_GEMM_ROWS": str(gemm_min_rows())}
+
+
 class TensorParallelGroup:
     """Rank 0's side: the workers' executor and the collectives; every failure of a
     collective while a worker is dead becomes one ``WorkerDiedError``, raised again on every
-    later call."""
+    later call. ``all_reduce_bytes``: the largest all-reduce a step makes (tokens x hidden x
+    4), the shared-memory slot size."""
 
-    def __init__(self, config: EngineConfig, join_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, all_reduce_bytes: int = MAX_SHM_BYTES,
+                 worker_env: dict[str, str] | None = None, join_timeout: float = 600.0) -> None:
         self.world_size = n = config.tensor_parallel_size
         self.error: WorkerDiedError | None = None
         self._closed = False
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        shm = None
+        if shared_memory_all_reduce(config, backend):
+            shm = ShmAllReduce(f"kvforge-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}", 0, n,
+                               min(all_reduce_bytes, MAX_SHM_BYTES), create=True,
+                               peer_check=self._check_workers)
         self.executor = create_executor(config.distributed_executor_backend, n - 1)
         host = self.executor.host()
         self.store = open_store(host, n)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
         try:
             self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
-                                            threads_per_rank(config), backend)
+                                            threads_per_rank(config), backend,
+                                            shm_name=shm.name if shm else "",
+                                            shm_bytes=shm.max_bytes if shm else 0,
+                                            driver_pid=os.getpid(), env=worker_env or {})
                                  for rank in range(1, n)])
             self._wait_joined(join_timeout)
+            if shm is not None:
+                shm.close()       # every rank has it mapped: the file need not outlive them
             self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
+            self.comm.shm = shm
         except BaseException:
             self._closed = True
+            if shm is not None:
+                shm.close()
             self.executor.stop(timeout=0.0)     # the ones started: nothing waits for them
             raise
+
+    def _check_workers(self) -> None:
+        """A shared-memory wait's liveness check: a dead worker fails the collective (as its
+        closed sockets fail gloo's), which ``guard`` turns into its death report."""
+        dead = self.executor.dead_workers()
+        if dead:
+            raise RuntimeError("tensor-parallel worker gone: " + "; ".join(dead))
 
     def _wait_joined(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -158,7 +218,9 @@ class TensorParallelModelRunner(ModelRunner):
         if resolve_attention_window(config, source.config) is not None:
             raise ValueError("tensor parallel runs full attention only: this model or these "
                              "options set an attention window")
-        self.tp = TensorParallelGroup(config)
+        self.tp = TensorParallelGroup(
+            config, config.max_num_batched_tokens * source.config.hidden_size * 4,
+            worker_env=_shared_choices(config, source))
         try:
             super().__init__(config, source, max_model_len)
             # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the
@@ -173,10 +235,12 @@ class TensorParallelModelRunner(ModelRunner):
                     config.distributed_executor_backend, threads_per_rank(config))
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
-        plan = TensorParallelPlan.for_rank(source.config, self.tp.world_size, 0)
+        quantization = tensor_parallel_quantization(self.config.quantization, source,
+                                                    self.dtype, self.device)
+        plan = rank_plan(source, self.tp.world_size, 0, quantization)
         return self.tp.guard(load_tensor_parallel_model, source, plan, self.tp.comm,
-                             attn_backend=self.config.attention_backend, dtype=self.dtype,
-                             device=self.device)
+                             quantization=quantization, attn_backend=self.config.attention_backend,
+                             dtype=self.dtype, device=self.device)
 
     @property
     def supports_decode_steps(self) -> bool:

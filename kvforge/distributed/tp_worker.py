@@ -22,7 +22,7 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
-from kvforge.distributed.tp_plan import TensorParallelPlan
+from kvforge.distributed.shm_allreduce import ShmAllReduce
 from kvforge.kernels.huge_pages import huge_page_zeros
 
 
@@ -36,6 +36,10 @@ class WorkerSpec:
     num_threads: int
     backend: str = "gloo"
     bind_host: str = ""      # this worker's address for the collectives' sockets (executor)
+    shm_name: str = ""       # the shared-memory all-reduce's file ("" = gloo only)
+    shm_bytes: int = 0
+    driver_pid: int = 0      # rank 0's process, watched while waiting in shared memory
+    env: dict = dataclasses.field(default_factory=dict)   # set before anything loads
 
 
 def error_key(rank: int) -> str:
@@ -49,14 +53,20 @@ def joined_key(rank: int) -> str:
 def run_worker(spec: WorkerSpec) -> None:
     """The worker's whole life; a failure is written to the store (for the driver's error
     message) before the process exits."""
+    os.environ.update(spec.env)
     torch.set_num_threads(spec.num_threads)
     if spec.backend == "nccl":             # one GPU per rank on a node
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     store = connect_store(spec.store_host, spec.store_port, spec.world_size)
     try:
+        # opened before joining: rank 0 unlinks the file once every rank has joined
+        shm = ShmAllReduce(spec.shm_name, spec.rank, spec.world_size, spec.shm_bytes,
+                           create=False, peer_check=lambda: _check_alive(spec.driver_pid)) \
+            if spec.shm_name else None
         store.set(joined_key(spec.rank), str(os.getpid()))
         comm = CommGroup(store, spec.rank, spec.world_size, bind_host=spec.bind_host,
                          backend=spec.backend)
+        comm.shm = shm
         _serve(spec, comm)
     except BaseException:
         store.set(error_key(spec.rank), traceback.format_exc()[-4000:])
@@ -65,12 +75,16 @@ def run_worker(spec: WorkerSpec) -> None:
 
 @torch.inference_mode()
 def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
-    from kvforge.distributed.tp_model import load_tensor_parallel_model
+    from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
+                                              tensor_parallel_quantization)
     from kvforge.loader.source import load_model_source
     config = spec.config
     source = load_model_source(config.model)
-    plan = TensorParallelPlan.for_rank(source.config, spec.world_size, spec.rank)
-    model = load_tensor_parallel_model(source, plan, comm, attn_backend=config.attention_backend,
+    quantization = tensor_parallel_quantization(config.quantization, source, config.torch_dtype,
+                                                comm.device)
+    plan = rank_plan(source, spec.world_size, spec.rank, quantization)
+    model = load_tensor_parallel_model(source, plan, comm, quantization=quantization,
+                                       attn_backend=config.attention_backend,
                                        dtype=config.torch_dtype, device=comm.device)
     kv_caches: list[torch.Tensor] = []
     hidden = None
@@ -98,6 +112,13 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+
+
+def _check_alive(pid: int) -> None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise RuntimeError(f"tensor-parallel rank 0 (pid {pid}) is gone") from None
 
 
 def _on_device(meta, device: torch.device):

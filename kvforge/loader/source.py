@@ -39,8 +39,14 @@ class ModelSource:
         """(HF parameter name, tensor) pairs; float32, or the file's float16/bfloat16."""
         if self.format == "gguf":
             reader = self._reader if self._reader is not None else gguf_loader.open_gguf(self.path)
-            return gguf_loader.iter_gguf_weights(reader)
-        return hf_loader.iter_hf_weights(self.path)
+            return self.select_weights(gguf_loader.iter_gguf_weights(reader))
+        return self.select_weights(hf_loader.iter_hf_weights(self.path))
+
+    def select_weights(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """What this source holds of the file's (name, weight) pairs, float tensors or GGUF
+        blocks alike: all of them here; a tensor-parallel rank's slice of them in
+        ``distributed.tp_model.ShardedModelSource``."""
+        return weights
 
     def load_tokenizer(self) -> Tokenizer:
         if self.format == "gguf":

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from kvforge.kernels import cpu_kernels
@@ -42,6 +43,12 @@ NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 _BLOCK_SUFFIXES = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                  "gate_proj", "up_proj", "down_proj"))
 _BLOCK_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def block_columns(type_name: str) -> int:
+    """Input columns one block of GGML type ``type_name`` encodes (1 for F32 / F16 / BF16, 32
+    or 256 for the quantized types)."""
+    return GGML_QUANT_SIZES[gguf_loader.GGMLQuantizationType[type_name]][0]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,38 @@ class GGUFBlocks:
         """A float weight as F32 rows (a layer of a GGUF model that got a float tensor)."""
         w = weight.detach().to(torch.float32).contiguous()
         return GGUFBlocks(w.view(torch.uint8).view(w.shape[0], -1), "F32", w.shape[1], name)
+
+    @property
+    def block_columns(self) -> int:
+        return block_columns(self.type_name)
+
+    def row_slice(self, start: int, stop: int) -> "GGUFBlocks":
+        """Rows [start, stop): a view of the same bytes."""
+        return GGUFBlocks(self.raw[start:stop], self.type_name, self.in_features, self.name)
+
+    def column_slice(self, start: int, stop: int) -> "GGUFBlocks":
+        """Input columns [start, stop) of every row, in the same encoding (a copy): both ends
+        must fall on block boundaries, since a block's scale covers all its columns.
+
+            row:  | block 0 | block 1 | block 2 | block 3 |     block = block_columns inputs,
+                            ^start              ^stop           row_bytes / blocks bytes
+        """
+        block = self.block_columns
+        if start % block or stop % block:
+            raise ValueError(f"columns [{start}, {stop}) of GGUF tensor {self.name!r} do not fall "
+                             f"on its {self.type_name} blocks of {block}")
+        block_bytes = self.raw.shape[1] // (self.in_features // block)
+        raw = self.raw[:, start // block * block_bytes: stop // block * block_bytes].contiguous()
+        return GGUFBlocks(raw, self.type_name, stop - start, f"{self.name}[:, {start}:{stop}]")
+
+    def zero_padded(self, rows: int) -> "GGUFBlocks":
+        """``rows`` rows: these, then all-zero bytes (which every supported type decodes to
+        0.0: zero scales, or zero floats)."""
+        if rows == self.raw.shape[0]:
+            return self
+        raw = torch.zeros(rows, self.raw.shape[1], dtype=torch.uint8)
+        raw[: self.raw.shape[0]] = self.raw
+        return GGUFBlocks(raw, self.type_name, self.in_features, self.name)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, K] by gguf-py's numpy reference (no compiled kernels needed)."""
@@ -239,4 +278,4 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"--quantization gguf runs a GGUF file's own blocks; "
                              f"{source.path!r} is a {source.format} model (use int4 or int8)")
         reader = source._reader if source._reader is not None else gguf_loader.open_gguf(source.path)
-        return iter_gguf_block_weights(reader)
+        return source.select_weights(iter_gguf_block_weights(reader))

@@ -10,6 +10,7 @@ import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.distributed.executor import WorkerDiedError
+from kvforge.quant.gguf import GGUFLinearMethod
 
 PROMPTS = [[5, 6, 7, 100, 2000], list(range(10, 47)), [300 + 7 * i for i in range(19)]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -68,13 +69,40 @@ def test_tp2_greedy_equals_tp1(tiny_model_factory, kind, overrides):
 
 
 @pytest.mark.slow
-def test_tp2_default_model_dequantized_equals_tp1(default_model_path):
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_all_reduce_in_shared_memory_or_gloo_gives_tp1_tokens(tiny_model_factory, monkeypatch,
+                                                               mode):
+    """Local ranks sum through shared memory by default (``auto``), gloo when asked; the
+    file is unlinked once every rank has mapped it."""
+    monkeypatch.setenv("KVFORGE_TP_ALLREDUCE", mode)
+    path, _ = tiny_model_factory("llama", hidden_size=96, num_attention_heads=6,
+                                 num_key_value_heads=3)
+    llm = _check_tp_matches(path)
+    shm = llm.engine.runner.tp.comm.shm
+    assert (shm is not None) == (mode == "shm")
+    if shm is not None:
+        assert shm.calls > 0 and not os.path.exists(shm.path)
+
+
+def test_shared_memory_all_reduce_mode_is_checked(monkeypatch, tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    monkeypatch.setenv("KVFORGE_TP_ALLREDUCE", "nvlink")
+    with pytest.raises(ValueError, match="KVFORGE_TP_ALLREDUCE must be one of"):
+        LLM(path, **ENGINE, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["auto", "none"], ids=["gguf-blocks", "dequantized"])
+def test_tp2_default_model_equals_tp1(default_model_path, quantization):
+    """The default model's Q4_1 file, sliced in its own blocks ("auto") or in fp32."""
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(quantization="none", kv_cache_memory="64MiB", max_model_len=512)
+    kwargs = dict(quantization=quantization, kv_cache_memory="64MiB", max_model_len=512)
     reference = LLM(default_model_path, **kwargs).generate([prompt], params, use_tqdm=False)
     llm = LLM(default_model_path, **kwargs, tensor_parallel_size=2)
     try:
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(down.method, GGUFLinearMethod) == (quantization == "auto")
         ours = llm.generate([prompt], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()

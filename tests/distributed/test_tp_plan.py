@@ -47,6 +47,23 @@ def test_vocab_not_divisible_is_padded():
     assert plans[1].vocab_start + plans[1].vocab_shard >= 1001
 
 
+def test_mlp_cut_on_block_boundaries():
+    """Qwen2.5-1.5B's 8960 intermediate rows are 35 Q4_K blocks of 256: 18 + 17 blocks, never
+    a block split between ranks (float weights: 4480 each)."""
+    config = _config(12, 2, intermediate=8960)
+    blocks = [TensorParallelPlan.for_rank(config, 2, r, intermediate_unit=256).intermediate
+              for r in (0, 1)]
+    assert blocks == [range(0, 4608), range(4608, 8960)]
+    assert [TensorParallelPlan.for_rank(config, 2, r).intermediate for r in (0, 1)] == \
+        [range(0, 4480), range(4480, 8960)]
+    # a short last unit still goes to a rank: 300 = 256 + 44
+    short = [TensorParallelPlan.for_rank(_config(4, 2, intermediate=300), 2, r,
+                                         intermediate_unit=256).intermediate for r in (0, 1)]
+    assert short == [range(0, 256), range(256, 300)]
+    with pytest.raises(ValueError, match="fewer than tensor_parallel_size 2 units of 256"):
+        TensorParallelPlan.for_rank(_config(4, 2, intermediate=256), 2, 0, intermediate_unit=256)
+
+
 @pytest.mark.parametrize("config, n, match", [
     (_config(4, 4, arch="Gemma3ForCausalLM"), 2, "Gemma3ForCausalLM"),
     (_config(6, 2), 3, "does not split the model's 2 KV heads"),
@@ -60,7 +77,6 @@ def test_unsupported_models_are_refused_by_name(config, n, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1, got 0"),
     (dict(distributed_executor_backend="mpi"), "'mpi'"),
-    (dict(tensor_parallel_size=2, quantization="gguf"), "native GGUF block path"),
     (dict(tensor_parallel_size=2, quantization="int8"), "'int8'"),
     (dict(tensor_parallel_size=2, speculative_method="ngram"), "speculative decoding"),
     (dict(tensor_parallel_size=2, preemption_mode="swap"), "'swap'"),

@@ -165,3 +165,28 @@ def test_float_weight_becomes_f32_rows():
     blocks = GGUFBlocks.from_float(w, "x")
     assert blocks.shape == (3, 32) and blocks.type_name == "F32"
     torch.testing.assert_close(blocks.dequantize(), w)
+
+
+@pytest.mark.parametrize("qtype, cols", [(QT.Q4_K, (256, 768)), (QT.Q6_K, (0, 256)),
+                                         (QT.Q8_0, (32, 96)), (QT.Q4_1, (480, 512)),
+                                         (QT.F16, (3, 10))])
+def test_block_slices_decode_to_the_same_values(qtype, cols):
+    """Row and column slices (the cuts tensor parallel makes) keep the encoding and decode to
+    the matching part of the whole; zero padding decodes to zeros; a cut inside a block is
+    refused."""
+    raw = torch.from_numpy(random_blocks(qtype, 6, 768, seed=1))
+    blocks = GGUFBlocks(raw, qtype.name, 768, "t")
+    whole = blocks.dequantize()
+    start, stop = cols
+    columns = blocks.column_slice(start, stop)
+    assert columns.type_name == qtype.name and columns.shape == (6, stop - start)
+    torch.testing.assert_close(columns.dequantize(), whole[:, start:stop], rtol=0, atol=0)
+    rows = blocks.row_slice(2, 5)
+    assert rows.raw.data_ptr() == raw[2].data_ptr()              # a view, no copy
+    torch.testing.assert_close(rows.dequantize(), whole[2:5], rtol=0, atol=0)
+    padded = rows.zero_padded(5).dequantize()
+    torch.testing.assert_close(padded[:3], whole[2:5], rtol=0, atol=0)
+    assert torch.count_nonzero(padded[3:]) == 0
+    if blocks.block_columns > 1:
+        with pytest.raises(ValueError, match=f"blocks of {blocks.block_columns}"):
+            blocks.column_slice(start + 1, stop)
