@@ -143,12 +143,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
+    g = p.add_argument_group("masked-diffusion models (docs/diffusion.md)")
+    g.add_argument("--diffusion-steps", type=int, default=None,
+                   help="denoising steps over the max-tokens canvas (default: one token a step)")
+    g.add_argument("--diffusion-block-length", type=int, default=32)
+    g.add_argument("--remasking", default="low_confidence",
+                   help="low_confidence | random | entropy | margin")
+    g.add_argument("--parallel-threshold", type=float, default=None, metavar="TAU",
+                   help="Fast-dLLM: commit every masked token above this confidence")
+    g.add_argument("--diffusion-cache", default="none", help="none | prefix | dual")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                          diffusion_steps=args.diffusion_steps,
+                          diffusion_block_length=args.diffusion_block_length,
+                          remasking=args.remasking, parallel_threshold=args.parallel_threshold,
+                          diffusion_cache=args.diffusion_cache)
 
 
 def _stream(engine, prompt, params) -> str:
@@ -166,9 +179,9 @@ def _stream(engine, prompt, params) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvforge.engine.llm_engine import LLMEngine
     from kvforge.config import EngineConfig
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    from kvforge.diffusion.engine import create_engine
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     prompt = args.prompt
     # default: wrap the prompt when the model has a template (instruct models); base models
@@ -183,9 +196,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvforge.engine.llm_engine import LLMEngine
     from kvforge.config import EngineConfig
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    from kvforge.diffusion.engine import create_engine
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -208,8 +221,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvforge.loader.source import load_model_source
     from kvforge.models.registry import get_model_class
+    from kvforge.models.diffusion_config import DiffusionLMConfig, is_diffusion_architecture
     src = load_model_source(args.model)
     cfg = src.config
+    if is_diffusion_architecture(cfg.architecture):
+        d = DiffusionLMConfig.from_hf_dict(cfg.hf_config)
+        print(f"model:          {src.path}")
+        print(f"architecture:   {cfg.architecture} (masked diffusion, {d.layout} layout, mask "
+              f"token {d.mask_token_id})")
+        print(f"layers:         {d.num_layers}, hidden {d.hidden_size}, heads {d.num_heads} "
+              f"(kv {d.num_kv_heads}), head_dim {d.head_dim}")
+        print(f"context:        {d.max_position} tokens, vocab {d.vocab_size}")
+        print(f"KV cache:       {2 * d.num_layers * d.num_kv_heads * d.head_dim * 4} bytes per "
+              f"canvas position (fp32, prefix / dual cache)")
+        return 0
     model = get_model_class(cfg.architecture)(cfg, device="meta")
     per_token = model.kv_cache_bytes_per_token()
     print(f"model:          {src.path}")
@@ -278,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     add_tune_command(sub)
     from kvforge.exit.commands import add_train_command
     add_train_command(sub)
+    from kvforge.diffusion.commands import add_train_diffusion_command
+    add_train_diffusion_command(sub)
     args = parser.parse_args(argv)
     from kvforge.loader.catalog_pull import PullError
     try:

@@ -35,6 +35,14 @@ class SamplingParams:
     # the output must match this JSON schema / regex / choice / grammar (kvforge/structured);
     # a dict of StructuredOutputParams' fields is accepted
     structured_output: StructuredOutputParams | None = None
+    # masked-diffusion models only (kvforge/diffusion, docs/diffusion.md): steps over the
+    # max_tokens canvas (None: one token per step), block length, which masks are committed
+    # first, Fast-dLLM's confidence threshold (None: the fixed schedule) and K/V cache mode
+    diffusion_steps: int | None = None
+    diffusion_block_length: int = 32
+    remasking: str = "low_confidence"
+    parallel_threshold: float | None = None
+    diffusion_cache: str = "none"
 
     def __post_init__(self) -> None:
         self.structured_output = StructuredOutputParams.from_value(self.structured_output)
@@ -75,6 +83,33 @@ class SamplingParams:
                              f"structured_output: the grammar decides where the output ends")
         if self.top_k == 0:
             self.top_k = -1
+        self._validate_diffusion()
+
+    def _validate_diffusion(self) -> None:
+        from kvforge.diffusion import CACHE_MODES, REMASKING
+        if self.diffusion_steps is not None and (not isinstance(self.diffusion_steps, int)
+                                                 or self.diffusion_steps < 1):
+            raise ValueError(f"diffusion_steps must be None or an integer >= 1, got "
+                             f"{self.diffusion_steps!r}")
+        if not isinstance(self.diffusion_block_length, int) or self.diffusion_block_length < 1:
+            raise ValueError(f"diffusion_block_length must be an integer >= 1, got "
+                             f"{self.diffusion_block_length!r}")
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got "
+                             f"{self.remasking!r}")
+        if self.diffusion_cache not in CACHE_MODES:
+            raise ValueError(f"diffusion_cache must be one of {', '.join(CACHE_MODES)}, got "
+                             f"{self.diffusion_cache!r}")
+        if self.parallel_threshold is not None:
+            if not 0.0 < self.parallel_threshold <= 1.0:
+                raise ValueError(f"parallel_threshold must be in (0, 1], got "
+                                 f"{self.parallel_threshold!r}")
+            if self.remasking != "low_confidence":
+                raise ValueError(f"parallel_threshold compares token probabilities: it needs "
+                                 f"remasking='low_confidence', got {self.remasking!r}")
+            if self.diffusion_steps is not None:
+                raise ValueError(f"parallel_threshold sets the steps itself: leave "
+                                 f"diffusion_steps None, got {self.diffusion_steps!r}")
 
     @property
     def greedy(self) -> bool:

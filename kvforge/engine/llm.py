@@ -6,7 +6,6 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvforge.config import EngineConfig
-from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -24,7 +23,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        # a masked-diffusion model gets the diffusion engine (kvforge/diffusion/engine.py):
+        # same request interface, whole-canvas generation per step
+        from kvforge.diffusion.engine import create_engine
+        self.engine = create_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
 
     @property
     def tokenizer(self):

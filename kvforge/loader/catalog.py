@@ -217,12 +217,17 @@ def resolve_model(model: str | None, *, progress: bool = True) -> str:
     """What ``--model`` / ``LLM(model)`` name, as a local path.
 
     None is the default model. A catalogue name is pulled on first use, unless a file or
-    directory of that name exists (an explicit local path wins). Anything else is returned
-    as given, for the loader to open or to report missing.
+    directory of that name exists (an explicit local path wins). A plain name of a directory
+    under the models directory (what ``kvforge train-diffusion`` saves) is that directory.
+    Anything else is returned as given, for the loader to open or to report missing.
     """
     if model is None:
         model = DEFAULT_MODEL_NAME
     if model in CATALOG and not os.path.exists(model):
         from kvforge.loader.catalog_pull import pull
         return pull(CATALOG[model], progress=progress)
+    if os.sep not in model and not os.path.exists(model):
+        saved = os.path.join(models_dir(), model)
+        if os.path.isfile(os.path.join(saved, "config.json")):
+            return saved
     return model

@@ -45,7 +45,8 @@ class ModelConfig:
         arch = archs[0] if archs else d.get("model_type", "unknown")
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        n_heads = d.get("num_attention_heads") or d.get("n_head")
+        # LLaDA's config speaks OLMo: d_model, n_heads, n_layers, mlp_hidden_size
+        n_heads = d.get("num_attention_heads") or d.get("n_head") or d.get("n_heads")
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
         rope_params = d.get("rope_parameters")  # transformers >= 5 keeps theta + scaling here
@@ -56,16 +57,18 @@ class ModelConfig:
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
-            hidden_size=d.get("hidden_size") or d.get("n_embd"),
-            num_hidden_layers=d.get("num_hidden_layers") or d.get("n_layer"),
+            hidden_size=d.get("hidden_size") or d.get("n_embd") or d.get("d_model"),
+            num_hidden_layers=d.get("num_hidden_layers") or d.get("n_layer") or d.get("n_layers"),
             num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            intermediate_size=d.get("intermediate_size") or d.get("n_inner") or 0,
+            num_key_value_heads=d.get("num_key_value_heads") or d.get("n_kv_heads") or n_heads,
+            intermediate_size=(d.get("intermediate_size") or d.get("n_inner")
+                               or d.get("mlp_hidden_size") or 0),
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", d.get("layer_norm_epsilon", 1e-6)),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings") or d.get("n_positions") or 2048,
+            max_position_embeddings=(d.get("max_position_embeddings") or d.get("n_positions")
+                                     or d.get("max_sequence_length") or 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases (its config may say attention_bias=None)
             attention_bias=bool(d.get("attention_bias")) or d.get("model_type") == "qwen2",

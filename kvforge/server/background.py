@@ -29,13 +29,13 @@ class BackgroundServer:
 
         from kvforge.config import EngineConfig
         from kvforge.engine.async_engine import AsyncLLMEngine
-        from kvforge.engine.llm_engine import LLMEngine
+        from kvforge.diffusion.engine import create_engine
         from kvforge.server.metrics import ServerMetrics
         from kvforge.server.openai_api import ServerConfig, create_app
 
         self.config = ServerConfig(served_model_name=served_model_name, **server_kwargs)
         metrics = ServerMetrics(self.config.served_model_name)
-        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(**engine_kwargs)),
+        self.engine = AsyncLLMEngine(create_engine(EngineConfig.from_kwargs(**engine_kwargs)),
                                      step_callback=metrics.on_step)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

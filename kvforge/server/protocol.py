@@ -103,6 +103,12 @@ class _SamplingFields(_RequestBody):
     guided_regex: SkipJsonSchema[str | None] = None
     guided_choice: SkipJsonSchema[list[str] | None] = None
     guided_grammar: SkipJsonSchema[str | None] = None
+    # masked-diffusion models (kvforge/diffusion): SamplingParams' fields of the same names
+    diffusion_steps: SkipJsonSchema[int | None] = None
+    diffusion_block_length: SkipJsonSchema[int] = 32
+    remasking: SkipJsonSchema[str] = "low_confidence"
+    parallel_threshold: SkipJsonSchema[float | None] = None
+    diffusion_cache: SkipJsonSchema[str] = "none"
 
     @field_validator("stop")
     @classmethod
@@ -146,7 +152,9 @@ class _SamplingFields(_RequestBody):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=structured_output)
+            structured_output=structured_output, diffusion_steps=self.diffusion_steps,
+            diffusion_block_length=self.diffusion_block_length, remasking=self.remasking,
+            parallel_threshold=self.parallel_threshold, diffusion_cache=self.diffusion_cache)
 
     @property
     def include_usage(self) -> bool:

@@ -44,11 +44,12 @@ def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
 
     from kvforge.config import EngineConfig
     from kvforge.engine.async_engine import AsyncLLMEngine
-    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.diffusion.engine import create_engine
     from kvforge.server.metrics import ServerMetrics
     from kvforge.server.openai_api import ServerConfig, create_app
 
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+    # LLMEngine, or DiffusionEngine for a masked-diffusion model (same request interface)
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs))
     name = args.served_model_name or _model_name(engine_kwargs.get("model"))
     config = ServerConfig(served_model_name=name,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
