@@ -180,7 +180,7 @@ def _stream(engine, prompt, params) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvforge.config import EngineConfig
-    from kvforge.diffusion.engine import create_engine
+    from kvforge.engine.factory import create_engine
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     prompt = args.prompt
@@ -197,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from kvforge.config import EngineConfig
-    from kvforge.diffusion.engine import create_engine
+    from kvforge.engine.factory import create_engine
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = sampling_params(args)
     messages: list[dict[str, str]] = []

@@ -1,6 +1,6 @@
 """DiffusionEngine: the engine of a masked-diffusion model, with LLMEngine's request interface
 (``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``), so ``LLM`` drives
-either one the same way; ``create_engine`` picks by the model's architecture.
+either one the same way; ``engine/factory.create_engine`` picks by the model's architecture.
 
     add_request  tokenize, validate, queue (SamplingParams checked like any request)
     step()       no batch running: the oldest waiting request and every waiting one with the
@@ -26,30 +26,6 @@ from kvforge.config import EngineConfig
 from kvforge.diffusion.generator import DiffusionBatch, DiffusionGenerator, DiffusionStats
 from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvforge.sampling_params import SamplingParams
-
-
-def is_diffusion_model(model: str | None) -> bool:
-    """Whether ``model`` names an HF directory of a masked-diffusion architecture (checked from
-    config.json alone: no weights read, GGUF files never are)."""
-    import os
-    from kvforge.loader import hf_loader
-    from kvforge.loader.catalog import CATALOG, resolve_model
-    from kvforge.models.diffusion_config import is_diffusion_architecture
-    if model is None or model in CATALOG:
-        return False
-    path = os.path.abspath(os.path.expanduser(resolve_model(model)))
-    if not hf_loader.is_hf_dir(path):
-        return False
-    archs = hf_loader.read_hf_config(path).get("architectures") or [""]
-    return is_diffusion_architecture(archs[0])
-
-
-def create_engine(config: EngineConfig):
-    """LLMEngine, or DiffusionEngine for a masked-diffusion model."""
-    if is_diffusion_model(config.model):
-        return DiffusionEngine(config)
-    from kvforge.engine.llm_engine import LLMEngine
-    return LLMEngine(config)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvforge.config import EngineConfig
+from kvforge.engine.factory import create_engine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -23,9 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        # a masked-diffusion model gets the diffusion engine (kvforge/diffusion/engine.py):
-        # same request interface, whole-canvas generation per step
-        from kvforge.diffusion.engine import create_engine
+        # a masked-diffusion model gets the diffusion engine (engine/factory.py)
         self.engine = create_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
 
     @property

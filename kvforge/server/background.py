@@ -29,7 +29,7 @@ class BackgroundServer:
 
         from kvforge.config import EngineConfig
         from kvforge.engine.async_engine import AsyncLLMEngine
-        from kvforge.diffusion.engine import create_engine
+        from kvforge.engine.factory import create_engine
         from kvforge.server.metrics import ServerMetrics
         from kvforge.server.openai_api import ServerConfig, create_app
 

@@ -44,7 +44,7 @@ def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
 
     from kvforge.config import EngineConfig
     from kvforge.engine.async_engine import AsyncLLMEngine
-    from kvforge.diffusion.engine import create_engine
+    from kvforge.engine.factory import create_engine
     from kvforge.server.metrics import ServerMetrics
     from kvforge.server.openai_api import ServerConfig, create_app
 
