@@ -1,10 +1,11 @@
 """Cost model of a decode step under tensor parallel (TP) and data parallel (DP) on CPU nodes.
 
-A decode step of ``batch`` sequences at ``context`` cached tokens, on one rank of a TP group of
-``tp`` ranks (weights and KV heads split ``tp`` ways; ``ModelShape`` counts them):
+A decode step of ``batch`` sequences at ``context`` cached tokens, on the busiest rank of a TP
+group of ``tp`` ranks (``busiest_rank``: its share of the weights W_r, KV heads kv_r of kv and
+query heads nh_r, as the plan splits whole GQA groups; W / tp etc. when they divide evenly):
 
-    bytes    = (4 W + B x C x kv_bytes) / tp            W = matmul parameters (fp32)
-    flops    = (2 W B + 4 L nh hd B C) / tp
+    bytes    = w W_r + B x C x kv_bytes x kv_r / kv     w = bytes per weight (4: fp32)
+    flops    = 2 W_r B + 4 L nh_r hd B C
     compute  = max(bytes / bw_rank, flops / (cores_rank x flops_core))
     bw_rank  = min(cores_rank x bw_core, bw_node / ranks_on_node)    ranks on a node share it
     comm     = (2 L + 1) x allreduce(B x H x 4)         o and down per layer, the embedding
@@ -93,6 +94,25 @@ class StepCost:
         return self.compute + self.comm + self.overhead
 
 
+def busiest_rank(shape: ModelShape, tp: int) -> tuple[float, int, float]:
+    """(matmul parameters, KV heads, query heads) of the TP rank holding the most, as
+    kvforge/distributed/tp_plan.py splits them: whole GQA groups, the first ranks one more
+    where the KV heads do not divide (SmolLM2's 3 on 2 ranks: 2 + 1, so that rank holds 2/3 of
+    the attention weights and the others wait for it at every all-reduce); fewer KV heads than
+    ranks: each rank one (replicated) KV head and heads / tp query heads."""
+    h, hd, kv = shape.hidden_size, shape.head_dim, shape.num_kv_heads
+    group = shape.num_heads // kv
+    if kv >= tp:
+        kv_rank = -(-kv // tp)
+        q_rank = kv_rank * group
+    else:
+        kv_rank, q_rank = 1, shape.num_heads / tp
+    attention = 2 * h * q_rank * hd + 2 * h * kv_rank * hd
+    mlp = 3 * h * -(-shape.intermediate_size // tp)
+    head = h * -(-shape.vocab_size // tp)
+    return shape.num_layers * (attention + mlp) + head, kv_rank, q_rank
+
+
 def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec, tp: int = 1,
                 dp: int = 1, weight_bytes: float = 4.0) -> StepCost:
     """One replica's decode step when ``dp`` replicas of ``tp`` ranks share the cluster and
@@ -107,10 +127,10 @@ def decode_step(shape: ModelShape, batch: float, context: int, spec: ClusterSpec
     cores = spec.cores_per_node / ranks_on_node
     b = batch / dp
     bw = min(cores * spec.core_mem_bw, spec.node_mem_bw / ranks_on_node)
-    weights = weight_bytes * shape.matmul_params
-    nbytes = (weights + b * context * shape.kv_bytes_per_cached_token) / tp
-    flops = (2.0 * shape.matmul_params * b
-             + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * b * context) / tp
+    params, kv_heads, q_heads = busiest_rank(shape, tp)
+    nbytes = (weight_bytes * params
+              + b * context * shape.kv_bytes_per_cached_token * kv_heads / shape.num_kv_heads)
+    flops = (2.0 * params * b + 4.0 * shape.num_layers * q_heads * shape.head_dim * b * context)
     compute = max(nbytes / bw, flops / (cores * spec.core_flops))
     spans_nodes = tp > ranks_on_node
     a, link = ((spec.net_latency, spec.net_bw) if spans_nodes
