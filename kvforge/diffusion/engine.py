@@ -73,7 +73,7 @@ def _loop_key(p: SamplingParams) -> tuple:
 
 class DiffusionEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from kvforge.engine.llm_engine import default_num_threads
+        from kvforge.engine.threads import default_num_threads
         from kvforge.loader.source import load_model_source
         from kvforge.models.diffusion_lm import load_diffusion_model
         _check_options(config)

@@ -223,7 +223,7 @@ def create_router_app(urls: list[str], router_config: RouterConfig | None = None
 
 def replica_engine_kwargs(engine_kwargs: dict[str, Any], num_replicas: int) -> dict[str, Any]:
     """Each replica's engine options: the cores shared out among replicas and their ranks."""
-    from kvforge.engine.llm_engine import default_num_threads
+    from kvforge.engine.threads import default_num_threads
     ranks = num_replicas * engine_kwargs.get("tensor_parallel_size", 1)
     return {**engine_kwargs,
             "num_threads": engine_kwargs.get("num_threads") or max(1, default_num_threads() // ranks)}

@@ -28,16 +28,11 @@ from kvforge.distributed.tp_model import (load_tensor_parallel_model, rank_plan,
                                           tensor_parallel_quantization)
 from kvforge.distributed.tp_plan import check_tensor_parallel_model
 from kvforge.distributed.tp_worker import WorkerSpec, error_key, joined_key
+from kvforge.engine.threads import threads_per_rank
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
-
-
-def threads_per_rank(config: EngineConfig) -> int:
-    """``num_threads`` when given, else the physical cores shared out among the ranks."""
-    from kvforge.engine.llm_engine import default_num_threads
-    return config.num_threads or max(1, default_num_threads() // config.tensor_parallel_size)
 
 
 def create_model_runner(config: EngineConfig, source: ModelSource,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 from kvforge.attention.window_setup import (STREAMING_MAX_MODEL_LEN, log_prefix_caching,
                                             resolve_attention_window)
 from kvforge.config import EngineConfig
+from kvforge.engine.threads import threads_per_rank
 from kvforge.detokenizer import IncrementalDetokenizer
 from kvforge.engine.decode_steps import plan_decode_steps
 from kvforge.distributed.tp_runner import create_model_runner
@@ -59,25 +59,11 @@ class _Group:
         return all(s.request.is_finished for s in self.seqs)
 
 
-def default_num_threads() -> int:
-    # physical cores: hyper-threads slow fp32 GEMM down
-    try:
-        cores = {line.split(":")[1].strip() for line in open("/proc/cpuinfo")
-                 if line.startswith("core id")}
-        sockets = {line.split(":")[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("physical id")}
-        n = len(cores) * max(len(sockets), 1)
-    except OSError:
-        n = 0
-    return max(1, min(n or os.cpu_count() or 1, os.cpu_count() or 1))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # tensor parallel: the cores are shared out among the ranks
-        torch.set_num_threads(config.num_threads
-                              or max(1, default_num_threads() // config.tensor_parallel_size))
+        torch.set_num_threads(threads_per_rank(config))
         torch.manual_seed(config.seed)
         source = load_model_source(config.model)
         self.model_config = source.config
