@@ -35,10 +35,12 @@ def connect_store(host: str, port: int, world_size: int,
 
 
 class CommGroup:
-    """``world_size`` ranks; ``bind_host`` is the address this rank's gloo sockets use."""
+    """``world_size`` ranks; ``bind_host`` is the address this rank's gloo sockets use; ``shm``
+    the ranks' ``shm_allreduce.ShmAllReduce`` when they share a machine."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, bind_host: str,
-                 backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 shm=None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.rank, self.world_size, self.backend = rank, world_size, backend
@@ -54,9 +56,9 @@ class CommGroup:
             raise ValueError(f"collective backend must be gloo or nccl, got {backend!r}")
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
-        # every rank local: all-reduces that fit go through shared memory (shm_allreduce.py);
+        # every rank local: all-reduces that fit go through shared memory (a ShmAllReduce);
         # the choice depends only on the tensor, so all ranks make it alike
-        self.shm = None
+        self.shm = shm
 
     # -------------------------------------------------------------- tensors
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _pid_exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +86,7 @@ class MultiprocessingExecutor(TensorParallelExecutor):
         for rank, p in self.processes:
             if p.exitcode is not None:
                 lines.append(f"rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}")
-            elif not _pid_exists(p.pid):      # reaped by someone else: no exit status left
+            elif not pid_exists(p.pid):      # reaped by someone else: no exit status left
                 lines.append(f"rank {rank} (pid {p.pid}) is gone")
         return lines
 

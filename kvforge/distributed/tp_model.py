@@ -76,7 +76,7 @@ def _rows(weight, rows: slice):
 def _columns(weight, cols: slice):
     if not isinstance(weight, GGUFBlocks):
         return weight[:, cols]
-    if cols.start % weight.block_columns == 0 and cols.stop % weight.block_columns == 0:
+    if weight.on_block_boundaries(cols.start, cols.stop):
         return weight.column_slice(cols.start, cols.stop)
     # heads that end inside a block (the plan aligns only the MLP): this slice runs in fp32
     logger.warning("tensor parallel: columns [%d, %d) of %s cut its %s blocks; that slice "

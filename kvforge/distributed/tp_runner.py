@@ -66,13 +66,12 @@ def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
     return mode == "shm"
 
 
-def _shared_choices(config: EngineConfig, source: ModelSource) -> dict[str, str]:
+def _shared_choices(quantization: str) -> dict[str, str]:
     """What every rank must choose alike, chosen once here and handed to the workers as
     environment: the rows from which GGUF blocks multiply as fp32 tiles (measured per
     machine, kernels/gguf_tiles.py; two ranks measuring at once could disagree, and a rank
     on the other path would round its partial sums differently from run to run)."""
-    if tensor_parallel_quantization(config.quantization, source, config.torch_dtype,
-                                    config.device) != "gguf":
+    if quantization != "gguf":
         return {}
     from kvforge.kernels.gguf_tiles import gemm_min_rows
     return {"KVFORGE_GGUF_GEMM_ROWS": str(gemm_min_rows())}
@@ -90,15 +89,15 @@ class TensorParallelGroup:
         self.error: WorkerDiedError | None = None
         self._closed = False
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
-        shm = None
-        if shared_memory_all_reduce(config, backend):
-            shm = ShmAllReduce(f"kvforge-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}", 0, n,
-                               min(all_reduce_bytes, MAX_SHM_BYTES), create=True,
-                               peer_check=self._check_workers)
         self.executor = create_executor(config.distributed_executor_backend, n - 1)
         host = self.executor.host()
         self.store = open_store(host, n)
+        shm = None
         try:
+            if shared_memory_all_reduce(config, backend):
+                shm = ShmAllReduce(f"kvforge-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}", 0, n,
+                                   min(all_reduce_bytes, MAX_SHM_BYTES), create=True,
+                                   peer_check=self._check_workers)
             self.executor.start([WorkerSpec(config, rank, n, host, self.store.port,
                                             threads_per_rank(config), backend,
                                             shm_name=shm.name if shm else "",
@@ -108,8 +107,7 @@ class TensorParallelGroup:
             self._wait_joined(join_timeout)
             if shm is not None:
                 shm.close()       # every rank has it mapped: the file need not outlive them
-            self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend)
-            self.comm.shm = shm
+            self.comm = CommGroup(self.store, 0, n, bind_host=host, backend=backend, shm=shm)
         except BaseException:
             self._closed = True
             if shm is not None:
@@ -213,9 +211,13 @@ class TensorParallelModelRunner(ModelRunner):
         if resolve_attention_window(config, source.config) is not None:
             raise ValueError("tensor parallel runs full attention only: this model or these "
                              "options set an attention window")
+        # what the slices run ("gguf" blocks or "none"), once for this rank's load and the
+        # workers' shared choices
+        self._quantization = tensor_parallel_quantization(
+            config.quantization, source, config.torch_dtype, config.device)
         self.tp = TensorParallelGroup(
             config, config.max_num_batched_tokens * source.config.hidden_size * 4,
-            worker_env=_shared_choices(config, source))
+            worker_env=_shared_choices(self._quantization))
         try:
             super().__init__(config, source, max_model_len)
             # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the
@@ -230,12 +232,11 @@ class TensorParallelModelRunner(ModelRunner):
                     config.distributed_executor_backend, threads_per_rank(config))
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
-        quantization = tensor_parallel_quantization(self.config.quantization, source,
-                                                    self.dtype, self.device)
-        plan = rank_plan(source, self.tp.world_size, 0, quantization)
+        plan = rank_plan(source, self.tp.world_size, 0, self._quantization)
         return self.tp.guard(load_tensor_parallel_model, source, plan, self.tp.comm,
-                             quantization=quantization, attn_backend=self.config.attention_backend,
-                             dtype=self.dtype, device=self.device)
+                             quantization=self._quantization,
+                             attn_backend=self.config.attention_backend, dtype=self.dtype,
+                             device=self.device)
 
     @property
     def supports_decode_steps(self) -> bool:

@@ -65,8 +65,7 @@ def run_worker(spec: WorkerSpec) -> None:
             if spec.shm_name else None
         store.set(joined_key(spec.rank), str(os.getpid()))
         comm = CommGroup(store, spec.rank, spec.world_size, bind_host=spec.bind_host,
-                         backend=spec.backend)
-        comm.shm = shm
+                         backend=spec.backend, shm=shm)
         _serve(spec, comm)
     except BaseException:
         store.set(error_key(spec.rank), traceback.format_exc()[-4000:])
@@ -115,10 +114,9 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
 
 
 def _check_alive(pid: int) -> None:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        raise RuntimeError(f"tensor-parallel rank 0 (pid {pid}) is gone") from None
+    from kvforge.distributed.executor import pid_exists     # (it imports this module)
+    if not pid_exists(pid):
+        raise RuntimeError(f"tensor-parallel rank 0 (pid {pid}) is gone")
 
 
 def _on_device(meta, device: torch.device):

@@ -79,6 +79,10 @@ class GGUFBlocks:
     def block_columns(self) -> int:
         return block_columns(self.type_name)
 
+    def on_block_boundaries(self, start: int, stop: int) -> bool:
+        """Whether input columns [start, stop) begin and end between blocks."""
+        return start % self.block_columns == 0 and stop % self.block_columns == 0
+
     def row_slice(self, start: int, stop: int) -> "GGUFBlocks":
         """Rows [start, stop): a view of the same bytes."""
         return GGUFBlocks(self.raw[start:stop], self.type_name, self.in_features, self.name)
@@ -91,7 +95,7 @@ class GGUFBlocks:
                             ^start              ^stop           row_bytes / blocks bytes
         """
         block = self.block_columns
-        if start % block or stop % block:
+        if not self.on_block_boundaries(start, stop):
             raise ValueError(f"columns [{start}, {stop}) of GGUF tensor {self.name!r} do not fall "
                              f"on its {self.type_name} blocks of {block}")
         block_bytes = self.raw.shape[1] // (self.in_features // block)

@@ -174,3 +174,31 @@ def test_killed_worker_fails_the_servers_request_in_flight(tiny_model_factory):
             assert http.get("/health").status_code == 503
     finally:
         server.stop()
+
+
+def test_a_failed_start_leaves_no_shared_memory_file(tiny_model_factory, monkeypatch):
+    """No executor (e.g. Ray missing), or workers that cannot start: the error reaches the
+    caller and no shared-memory file for the all-reduce is left behind."""
+    import glob
+
+    from kvforge.distributed import executor, tp_runner
+    path, _ = tiny_model_factory("llama")
+    monkeypatch.setenv("KVFORGE_TP_ALLREDUCE", "shm")
+    before = set(glob.glob("/dev/shm/kvforge-tp-*"))
+
+    def no_executor(backend, n):
+        raise RuntimeError("no executor today")
+
+    with monkeypatch.context() as m:
+        m.setattr(tp_runner, "create_executor", no_executor)
+        with pytest.raises(RuntimeError, match="no executor today"):
+            LLM(path, **ENGINE, tensor_parallel_size=2)
+    assert set(glob.glob("/dev/shm/kvforge-tp-*")) == before
+
+    def refuse(self, specs):
+        raise RuntimeError("no workers today")
+
+    monkeypatch.setattr(executor.MultiprocessingExecutor, "start", refuse)
+    with pytest.raises(RuntimeError, match="no workers today"):
+        LLM(path, **ENGINE, tensor_parallel_size=2)
+    assert set(glob.glob("/dev/shm/kvforge-tp-*")) == before

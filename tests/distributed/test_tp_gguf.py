@@ -98,14 +98,20 @@ def test_ranks_get_the_drivers_tile_crossover(kquant_gguf, monkeypatch):
     """The rows from which GGUF blocks multiply as fp32 tiles are chosen once, by rank 0, and
     handed to every worker; a float model hands nothing."""
     from kvforge.config import EngineConfig
+    from kvforge.distributed.tp_model import tensor_parallel_quantization
     from kvforge.distributed.tp_runner import _shared_choices
     from kvforge.loader.source import load_model_source
     source = load_model_source(kquant_gguf)
+
+    def choices(config: EngineConfig) -> dict[str, str]:
+        return _shared_choices(tensor_parallel_quantization(
+            config.quantization, source, config.torch_dtype, config.device))
+
     monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "96")
     config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2)
-    assert _shared_choices(config, source) == {"KVFORGE_GGUF_GEMM_ROWS": "96"}
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": "96"}
     monkeypatch.delenv("KVFORGE_GGUF_GEMM_ROWS")
     monkeypatch.setenv("KVFORGE_TUNE", "0")
-    assert _shared_choices(config, source) == {"KVFORGE_GGUF_GEMM_ROWS": "0"}
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": "0"}
     float_config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2, quantization="none")
-    assert _shared_choices(float_config, source) == {}
+    assert choices(float_config) == {}
