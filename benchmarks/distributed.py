@@ -8,9 +8,9 @@ docs/distributed.md).
 
 1. All-reduce by message size, ``--ranks`` processes: gloo over loopback and the shared-memory
    all-reduce (kvforge/distributed/shm_allreduce.py, spinning waits: what tensor parallel uses
-   between local ranks, gloo across machines): median latency and bus bandwidth (2 (n-1)/n x bytes / time, the ring's per-link traffic); gloo's
-   fitted to the ring formula's latency a and bandwidth b; the per-step input broadcast
-   (pickled object) too.
+   between local ranks, gloo across machines): median latency and bus bandwidth
+   (2 (n-1)/n x bytes / time, the ring's per-link traffic), each fitted to the ring formula's
+   latency a and bandwidth b; the per-step input broadcast (pickled object) too.
 2. This machine's parameters: read bandwidth with every core and with one, one core's GEMM
    FLOP/s.
 3. Decode throughput, ``--batch`` greedy requests of ``--prompt-len`` random tokens and
@@ -84,10 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def matmul_bytes_per_param(source, quantization: str) -> float:
     """Bytes a matmul weight takes as the engines run it: 4 in fp32, the file's own block
     bytes (decoder projections and head) when a GGUF file runs natively."""
-    from kvforge.quant.loading import auto_quantization
-    if quantization == "auto":
-        quantization = auto_quantization(source)
-    if quantization != "gguf":
+    from kvforge.distributed.tp_model import tensor_parallel_quantization
+    if tensor_parallel_quantization(quantization, source, torch.float32, "cpu") != "gguf":
         return 4.0
     tensors = [t for t in source._reader.tensors if len(t.shape) == 2
                and (t.name.startswith("blk.") or t.name in ("output.weight", "token_embd.weight"))]
@@ -173,11 +171,15 @@ def _decode_rate(outputs) -> tuple[int, float]:
 def run_engine(model, engine_kwargs: dict, prompts, output_len: int,
                python_layers: bool = False, all_reduce: str = "auto") -> tuple[int, float]:
     from kvforge import LLM, SamplingParams
+    given = os.environ.get("KVFORGE_TP_ALLREDUCE")
     os.environ["KVFORGE_TP_ALLREDUCE"] = all_reduce
     try:
         llm = LLM(model, **engine_kwargs)
-    finally:
-        os.environ.pop("KVFORGE_TP_ALLREDUCE")
+    finally:                              # the caller's own setting back
+        if given is None:
+            os.environ.pop("KVFORGE_TP_ALLREDUCE")
+        else:
+            os.environ["KVFORGE_TP_ALLREDUCE"] = given
     try:
         if python_layers:
             # what a TP slice runs: the Python layers, one step per engine step (the compiled

@@ -21,7 +21,7 @@ Runs in seconds; the real engine's numbers are ``benchmarks/sched_serve.py``'s.
 from __future__ import annotations
 
 import argparse
-import random
+import itertools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import format_table
+from kvforge.bench.serving import arrival_delays
 from kvforge.sched.mlfq import MLFQConfig
 
 POLICIES = ("fcfs", "mlfq", "srpt", "gittins")
@@ -131,13 +132,11 @@ def simulate(jobs: list[Job], policy: str, slots: int, index: list[float] | None
 
 
 def poisson_jobs(lengths: list[tuple[int, int]], load: float, slots: int, seed: int) -> list[Job]:
-    rng = random.Random(seed)
+    """The jobs at the Poisson gaps ``kvforge bench serve``'s client draws for ``seed`` (the
+    server benchmark's own arrivals), in decode steps: ``load`` of what ``slots`` serve."""
     rate = load * slots / statistics.mean(out for _, out in lengths)   # jobs per step
-    t, jobs = 0.0, []
-    for prompt, out in lengths:
-        t += rng.expovariate(rate)
-        jobs.append(Job(t, prompt, out))
-    return jobs
+    arrivals = itertools.accumulate(arrival_delays(len(lengths), rate, 1.0, seed))
+    return [Job(t, prompt, out) for t, (prompt, out) in zip(arrivals, lengths)]
 
 
 def main(argv=None) -> int:
