@@ -1,6 +1,8 @@
 """FCFS vs MLFQ vs priority through the server: ``kvforge serve`` once per policy, the same
 ShareGPT requests streamed by ``kvforge bench serve``'s client at a Poisson rate near capacity.
 
+    python benchmarks/sched_serve.py --policies fcfs fcfs+ahead mlfq+ahead mlfq
+
     python benchmarks/sched_serve.py                       # defaults: ~10 minutes on 2 cores
     python benchmarks/sched_serve.py --load 0.9 --num-prompts 64 --rounds 2
 
@@ -14,9 +16,13 @@ ShareGPT requests streamed by ``kvforge bench serve``'s client at a Poisson rate
    priority``, ``--max-num-seqs`` slots, ``--preemption-mode``), warms it up, sends the same
    requests with the same Poisson arrival times, and stops it. Under ``priority`` every request
    asks for priority = its max_tokens (``kvforge bench serve --priority output-len``): a
-   non-preemptive shortest-job-first that knows every length, a reference.
+   non-preemptive shortest-job-first that knows every length, a reference. ``POLICY+ahead``
+   runs POLICY with ``--prefill-ahead N`` (``--prefill-ahead``, default 32): requests without
+   a sequence slot get their prompt prefilled and first token streamed, then wait holding
+   their KV (kvforge/sched/scheduler.py).
 3. Per policy (mean over rounds): mean / p99 JCT (end-to-end latency of the stream) and TTFT,
-   median TPOT, output tok/s; then the fcfs / mlfq ratios and one SUMMARY line.
+   median TPOT, output tok/s; then fcfs / policy for each other policy (> 1: better than
+   FCFS) and one SUMMARY line.
 
 Requests are greedy with ``ignore_eos`` and max_tokens = the ShareGPT answer's length (capped at
 ``--sharegpt-max-output-len``), so every policy does the same work.
@@ -40,6 +46,7 @@ from kvforge.bench.serving import (build_requests, run_benchmark, server_model, 
                                    summarize)
 
 POLICIES = ("fcfs", "mlfq", "priority")
+AHEAD = "+ahead"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap", "auto"])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   help="fcfs (always run first, the baseline), mlfq, priority, each optionally "
+                        f"with {AHEAD!r}")
+    p.add_argument("--prefill-ahead", type=int, default=32,
+                   help=f"--prefill-ahead of the servers whose policy ends in {AHEAD!r}")
     p.add_argument("--mlfq-starvation-steps", type=int, default=None,
                    help="passed to the mlfq server (default: the engine's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
@@ -63,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.load:
         raise SystemExit(f"--load must be > 0, got {args.load}")
+    for policy in args.policies:
+        if policy.removesuffix(AHEAD) not in POLICIES:
+            raise SystemExit(f"unknown policy {policy!r}: {', '.join(POLICIES)}, each optionally "
+                             f"with {AHEAD!r}")
+    args.policies = ["fcfs", *(p for p in dict.fromkeys(args.policies) if p != "fcfs")]
     if args.rounds < 1 or args.num_prompts < 1:
         raise SystemExit(f"--rounds and --num-prompts must be >= 1, got {args.rounds}, "
                          f"{args.num_prompts}")
@@ -82,9 +99,11 @@ class PolicyServer:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        flags = ["--scheduling-policy", self.policy, "--preemption-mode",
-                 self.args.preemption_mode]
-        if self.policy == "mlfq" and self.args.mlfq_starvation_steps is not None:
+        policy = self.policy.removesuffix(AHEAD)
+        flags = ["--scheduling-policy", policy, "--preemption-mode", self.args.preemption_mode]
+        if self.policy.endswith(AHEAD):
+            flags += ["--prefill-ahead", str(self.args.prefill_ahead)]
+        if policy == "mlfq" and self.args.mlfq_starvation_steps is not None:
             flags += ["--mlfq-starvation-steps", str(self.args.mlfq_starvation_steps)]
         self.proc = launch_server(self.args, port, tuple(flags))
         return f"http://127.0.0.1:{port}"
@@ -137,11 +156,13 @@ def main(argv=None) -> dict:
     print(f"capacity (fcfs, all at once, every slot busy): {capacity:.3f} req/s (completed / "
           f"duration: {capacity_run['request_throughput']:.3f}); Poisson rate {rate:.3f} req/s "
           f"(load {args.load}), seed {args.seed}", flush=True)
-    runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    policies = args.policies
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
     for round_ in range(args.rounds):
-        for policy in POLICIES:
+        for policy in policies:
             with PolicyServer(args, policy) as base:
-                s = measure(base, requests, rate, args.seed, policy == "priority")
+                s = measure(base, requests, rate, args.seed,
+                            policy.removesuffix(AHEAD) == "priority")
             runs[policy].append(s)
             print(f"round {round_ + 1} {policy}: mean JCT {s['mean_e2el_ms'] / 1e3:.2f} s, mean "
                   f"TTFT {s['mean_ttft_ms'] / 1e3:.2f} s, duration {s['duration_s']:.1f} s",
@@ -153,21 +174,20 @@ def main(argv=None) -> dict:
              "mean_ttft_ms": "mean TTFT (ms)", "p99_ttft_ms": "p99 TTFT (ms)",
              "median_tpot_ms": "median TPOT (ms)", "output_throughput": "output tok/s",
              "duration_s": "duration (s)"}
-    rows = [[names[k], *(stats[p][k] for p in POLICIES), stats["fcfs"][k] / stats["mlfq"][k]]
-            for k in keys]
-    print(format_table(["metric (mean of rounds)", *POLICIES, "fcfs/mlfq"], rows))
+    others = policies[1:]
+    rows = [[names[k], *(stats[p][k] for p in policies),
+             *(stats["fcfs"][k] / stats[p][k] for p in others)] for k in keys]
+    print(format_table(["metric (mean of rounds)", *policies, *(f"fcfs/{p}" for p in others)],
+                       rows))
     if args.json:
         write_json(args.json, {"args": vars(args), "capacity_req_s": capacity, "rate": rate,
                                "runs": runs, "stats": stats})
-    f, m, pr = (stats[p] for p in POLICIES)
+    f = stats["fcfs"]
     print(f"SUMMARY sched_serve (ShareGPT, {hardware_line()}): load {args.load} of capacity "
-          f"({rate:.3f} req/s), max_num_seqs {args.max_num_seqs}: mlfq vs fcfs mean TTFT "
-          f"{f['mean_ttft_ms'] / m['mean_ttft_ms']:.2f}x lower, mean JCT "
-          f"{f['mean_e2el_ms'] / m['mean_e2el_ms']:.2f}x lower, p99 JCT "
-          f"{f['p99_e2el_ms'] / m['p99_e2el_ms']:.2f}x, p99 TTFT "
-          f"{f['p99_ttft_ms'] / m['p99_ttft_ms']:.2f}x; priority (SJF oracle) mean TTFT "
-          f"{f['mean_ttft_ms'] / pr['mean_ttft_ms']:.2f}x, mean JCT "
-          f"{f['mean_e2el_ms'] / pr['mean_e2el_ms']:.2f}x lower")
+          f"({rate:.3f} req/s), max_num_seqs {args.max_num_seqs}, vs fcfs: " + "; ".join(
+              f"{p} mean TTFT {f['mean_ttft_ms'] / stats[p]['mean_ttft_ms']:.2f}x lower, mean "
+              f"JCT {f['mean_e2el_ms'] / stats[p]['mean_e2el_ms']:.2f}x lower, p99 JCT "
+              f"{f['p99_e2el_ms'] / stats[p]['p99_e2el_ms']:.2f}x" for p in others))
     return stats
 
 

@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mlfq-prefill-weight", type=float, default=0.1,
                    help="mlfq: work of one prefill token relative to one decode step, in (0, 1] "
                         "(default 0.1: a batched prompt token costs ~0.1 of a decode step on CPU)")
+    g.add_argument("--prefill-ahead", type=int, default=0, metavar="N",
+                   help="with every sequence slot taken, prefill up to N waiting requests in "
+                        "the step's spare budget: their first token streams at once and they "
+                        "wait for a slot holding their KV (any policy; 0 = off)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     g.add_argument("--swap-copy-mode", default="auto", choices=["auto", "async", "sync"],
                    help="swap copies on a worker thread / CUDA side stream (async) or inline")
@@ -104,7 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
                 scheduling_policy=args.scheduling_policy,
                 mlfq_quanta=args.mlfq_quanta, mlfq_starvation_steps=args.mlfq_starvation_steps,
-                mlfq_prefill_weight=args.mlfq_prefill_weight,
+                mlfq_prefill_weight=args.mlfq_prefill_weight, prefill_ahead=args.prefill_ahead,
                 preemption_mode=args.preemption_mode, swap_copy_mode=args.swap_copy_mode,
                 swap_prefetch=args.swap_prefetch, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching,

@@ -43,6 +43,10 @@ class EngineConfig:
     mlfq_quanta: tuple[int, ...] | str | None = None
     mlfq_starvation_steps: int = 256
     mlfq_prefill_weight: float = 0.1
+    # any policy (sched/scheduler.py step 3): with every sequence slot taken, up to this many
+    # waiting requests are prefilled in the step's spare budget, send their first token and
+    # wait for a slot holding their KV; 0 = off
+    prefill_ahead: int = 0
     # preemption (sched/swap.py): recompute | swap | auto (cost model); swapped KV goes to a
     # host pool of swap_host_blocks blocks (None = as many as the engine pool, 0 = disk only),
     # then to memory-mapped files under swap_dir (None = a temp dir)

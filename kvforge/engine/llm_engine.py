@@ -90,7 +90,8 @@ class LLMEngine:
             max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            block_size=config.block_size, mlfq=config.mlfq), self.kv_manager)
+            block_size=config.block_size, mlfq=config.mlfq,
+            prefill_ahead=config.prefill_ahead), self.kv_manager)
         # swap preemption (sched/swap.py); None = recompute
         self.scheduler.swapper = build_kv_swapper(config, self.runner, self.kv_manager)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)

@@ -21,6 +21,9 @@ class SchedulerConfig:
     - ``policy``: waiting-queue policy name (see ``kvforge.sched.queues``).
     - ``block_size``: tokens per KV block; must match the KVCacheManager's.
     - ``mlfq``: the ``MLFQConfig`` of policy ``mlfq`` (None = its defaults; see sched/mlfq.py).
+    - ``prefill_ahead``: with every sequence slot taken, up to this many waiting requests get
+      their whole prompt prefilled in a step's spare token budget, sample their first token and
+      wait for a slot holding their KV ("parked"; 0 = off). Scheduler docstring says why.
     """
 
     max_num_batched_tokens: int = 2048
@@ -30,12 +33,16 @@ class SchedulerConfig:
     policy: str = "fcfs"
     block_size: int = 16
     mlfq: MLFQConfig | None = None
+    prefill_ahead: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (not isinstance(self.prefill_ahead, int) or isinstance(self.prefill_ahead, bool)
+                or self.prefill_ahead < 0):
+            raise ValueError(f"prefill_ahead must be an integer >= 0, got {self.prefill_ahead!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "

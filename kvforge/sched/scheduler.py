@@ -10,8 +10,18 @@ a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``
     2. Only if nothing was preempted: WAITING requests from the queue head, each taking
        min(rest, budget) tokens (the whole rest with chunked prefill off), until one does not
        fit (no skipping ahead).
-    3. Parents whose chunk completes their prompt fork their pending n > 1 siblings.
-    4. Batch order: 1-token requests (decodes) first, then prefill chunks.
+    3. Prefill ahead (``SchedulerConfig.prefill_ahead``, off by default): with every sequence
+       slot taken, waiting requests whose whole prompt fits the budget left are prefilled,
+       sample their first token and stay in the waiting queue holding their KV ("parked").
+       When a slot frees, a parked request resumes at its second token with nothing to
+       recompute. Why: under load a new request otherwise waits for a slot before its first
+       token (FCFS: a whole job's length), though its prefill is work the engine must do
+       anyway and a step's spare token budget does it at little cost to the running decodes
+       (they share the step's weight reads). Job completion order stays the policy's. When KV
+       blocks run short, parked requests give theirs back first (as a preempted request
+       does: swapped out or recomputed later), before any running request is preempted.
+    4. Parents whose chunk completes their prompt fork their pending n > 1 siblings.
+    5. Batch order: 1-token requests (decodes) first, then prefill chunks.
 
 The engine loop calls ``schedule()``, runs the model, then ``update_from_output()`` with the
 sampled ids, then ``finish_request()`` for requests its stop checks end.
@@ -106,6 +116,8 @@ class Scheduler:
         # every unfinished request, including n > 1 siblings not yet forked
         self.requests: dict[str, Request] = {}
         self._pending_fork_parent: dict[str, Request] = {}   # child id -> parent
+        # waiting requests prefilled ahead, holding their KV (RUNNING during their prefill step)
+        self.parked: dict[str, Request] = {}
         self.swapper = None      # sched/swap.py KVSwapper (set by the engine); None = recompute
 
     # ---- queries -------------------------------------------------------------------------
@@ -135,14 +147,14 @@ class Scheduler:
         """The most decode steps the running batch may take in one call (multi-step decoding,
         engine/decode_steps.py) without delaying a scheduling decision; None = no bound.
 
-        Nothing waiting: no bound. A free sequence slot: 1 (the waiting request is admitted at
-        the next step). Every slot taken: the next admission comes when a running request ends
+        Nothing waiting: no bound. A free sequence slot, or a request to prefill ahead: 1 (it
+        is admitted at the next step). Every slot taken: the next admission comes when a running request ends
         (each row's k is capped at its max_tokens, so the call ends where the first one
         finishes) or when the queue policy preempts one (``RequestQueue.decode_steps_bound``:
         MLFQ, at the end of a running request's quantum)."""
         if not self.waiting:
             return None
-        if self._num_seq_slots_used() < self.config.max_num_seqs:
+        if self._num_seq_slots_used() < self.config.max_num_seqs or self._prefills_ahead_next():
             return 1
         return self.waiting.decode_steps_bound(self.running)
 
@@ -194,7 +206,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request.status is RequestStatus.RUNNING:
+        if self.parked.pop(request_id, None) is not None:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request_id in self._pending_fork_parent:
             parent = self._pending_fork_parent.pop(request_id)
@@ -223,6 +237,7 @@ class Scheduler:
         self._schedule_running(plan)
         if len(plan.preempted_request_ids) == num_yielded:    # no KV-pressure preemption
             self._schedule_waiting(plan)
+            self._prefill_ahead(plan)
         self._fork_completed_prompts(plan)
         self.waiting.on_step_scheduled(plan.num_scheduled_tokens, plan.requests,   # quanta
                                        plan.num_lookahead_tokens)
@@ -308,6 +323,8 @@ class Scheduler:
                 continue
             if self.swapper is not None and self.swapper.make_room():
                 continue                         # in-flight swap copies held the blocks
+            if self._drop_parked():
+                continue                         # a parked request's blocks, before a runner's
             victim = self.waiting.select_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
@@ -336,10 +353,20 @@ class Scheduler:
             if seq_slots_used + seq_slots > self.config.max_num_seqs:
                 break
             # prefix cache hit: the prefill starts after the matched blocks
-            prefix = self.kv_manager.match_prefix(request)
+            prefix = (self.kv_manager.match_prefix(request) if request.request_id not in self.parked
+                      else None)
             if prefix is not None and self._prefix_in_flight(request, prefix.num_tokens):
                 break                        # admit next step, sharing what is being computed
-            if self.swapper is not None and self.swapper.is_swapped(request):   # swap-in
+            if request.request_id in self.parked:      # prefilled ahead: resumes its decode
+                num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
+                slots = (self.kv_manager.allocate_slots(request, num_tokens)
+                         if num_tokens > 0 else None)
+                if slots is None:
+                    if self._drop_parked(keep=request):
+                        continue
+                    break
+                del self.parked[request.request_id]
+            elif self.swapper is not None and self.swapper.is_swapped(request):   # swap-in
                 num_tokens, slots = self.swapper.admit(request, prefix, plan.tokens_left,
                                                        self._num_tokens_to_schedule)
             else:
@@ -351,6 +378,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 if self.swapper is not None and self.swapper.make_room(keep=request):
                     continue                     # in-flight swap copies held the blocks
+                if self._drop_parked(keep=request):
+                    continue                     # parked requests queue behind it
                 break
             self.waiting.pop()
             self.running.append(request)
@@ -359,6 +388,79 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             seq_slots_used += seq_slots
             plan.add(request, num_tokens, slots.block_copies)
+
+    def _prefill_ahead(self, plan: _StepPlan) -> None:
+        """Step 3 of the module docstring: park up to ``prefill_ahead`` requests that have no
+        sequence slot, in queue order, while the token budget and the KV blocks (less a
+        reserve for the running requests' next blocks) take their whole prompt."""
+        room = self.config.prefill_ahead - len(self.parked)
+        if room <= 0 or not self.waiting:
+            return
+        now = time.monotonic()
+        for request in list(self.waiting):
+            if room == 0 or plan.tokens_left == 0:
+                break
+            if not self._may_prefill_ahead(request):
+                continue
+            prefix = self.kv_manager.match_prefix(request)
+            matched = prefix.num_tokens if prefix else 0
+            if prefix is not None and self._prefix_in_flight(request, matched):
+                continue
+            request.num_computed_tokens = matched
+            num_tokens = self._num_tokens_to_schedule(request, plan.tokens_left)
+            if num_tokens != request.num_remaining_tokens:
+                request.num_computed_tokens = 0
+                continue                       # the whole prompt in one step, or not ahead
+            if not self._fits_ahead(request):
+                request.num_computed_tokens = 0
+                break
+            slots = self.kv_manager.allocate_slots(request, num_tokens, prefix)
+            if slots is None:
+                request.num_computed_tokens = 0
+                break
+            request.status = RequestStatus.RUNNING       # for this step only (update parks it)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.parked[request.request_id] = request
+            plan.add(request, num_tokens, slots.block_copies)
+            room -= 1
+
+    def _may_prefill_ahead(self, request: Request) -> bool:
+        # fresh requests only: not parked already, not preempted, not forking n > 1 siblings
+        return (request.status is RequestStatus.WAITING and request.request_id not in self.parked
+                and not request.pending_forks and not request.num_output_tokens)
+
+    def _fits_ahead(self, request: Request) -> bool:
+        """Its blocks fit beside a reserve for the running requests' next blocks (counted as
+        if every block were new: prefix-matched ones may be cached ones, i.e. "free")."""
+        B = self.config.block_size
+        reserve = sum(cdiv(r.num_remaining_tokens + 1, B) for r in self.running)
+        return cdiv(request.num_tokens, B) + reserve <= self.kv_manager.num_free_blocks
+
+    def _prefills_ahead_next(self) -> bool:
+        """Whether the next step will prefill a waiting request ahead (room, and the first
+        candidate's blocks fit)."""
+        if len(self.parked) >= self.config.prefill_ahead:
+            return False
+        candidate = next((r for r in self.waiting if self._may_prefill_ahead(r)), None)
+        return candidate is not None and self._fits_ahead(candidate)
+
+    def _drop_parked(self, keep: Request | None = None) -> bool:
+        """KV blocks are short: the parked request last in queue order gives its blocks back,
+        as a preempted request does (its KV swapped out, or recomputed on admission). False
+        when there is none (``keep`` and requests in this step's prefill do not count)."""
+        for request in reversed(list(self.waiting)):
+            if (request.request_id in self.parked and request is not keep
+                    and request.status is RequestStatus.WAITING):
+                del self.parked[request.request_id]
+                if self.swapper is not None:
+                    self.swapper.on_preempt(request)
+                self.kv_manager.free(request.request_id)
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                return True
+        return False
 
     def _prefix_in_flight(self, request: Request, num_matched: int) -> bool:
         """Whether a running request is prefilling at least one more full block of this
@@ -445,6 +547,9 @@ class Scheduler:
             self.kv_manager.cache_computed_blocks(request)
             if num_ahead:                  # blocks holding only unused slots go back
                 self.kv_manager.trim(request.request_id, request.num_tokens)
+        for request in self.parked.values():
+            if request.status is RequestStatus.RUNNING:
+                request.status = RequestStatus.WAITING     # prefilled ahead: parked
         for child, tokens in forked:
             # it shares the parent's prompt KV, computed in this step
             child.num_computed_tokens = child.num_tokens
@@ -485,6 +590,13 @@ class Scheduler:
             self.kv_manager.check_window(request.request_id, request.num_computed_tokens)
         for request in self.waiting:
             assert self.requests[request.request_id] is request
+            if request.request_id in self.parked:
+                assert request.status in (RequestStatus.WAITING, RequestStatus.RUNNING), f"{request!r}"
+                assert self.kv_manager.has_blocks(request.request_id), f"parked {request!r}"
+                if request.status is RequestStatus.WAITING:
+                    assert request.num_computed_tokens == request.num_tokens - 1, (
+                        f"parked {request!r} must hold all its KV but the sampled token's")
+                continue
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request!r}"
             assert (request.request_id in prefetched
                     or not self.kv_manager.has_blocks(request.request_id)), (
@@ -498,6 +610,9 @@ class Scheduler:
             assert not self.kv_manager.has_blocks(child_id), f"pending fork {child!r} holds blocks"
         if self.swapper is not None:
             self.swapper.check_integrity(set(waiting_ids))
-        orphans = set(self.kv_manager.request_ids()) - set(running_ids) - prefetched
+        assert set(self.parked) <= set(waiting_ids), f"parked outside the queue: {sorted(self.parked)}"
+        assert len(self.parked) <= self.config.prefill_ahead, "prefill_ahead exceeded"
+        orphans = (set(self.kv_manager.request_ids()) - set(running_ids) - prefetched
+                   - set(self.parked))
         assert not orphans, f"block tables of non-running requests: {sorted(orphans)}"
         assert self._num_seq_slots_used() <= self.config.max_num_seqs, "max_num_seqs exceeded"

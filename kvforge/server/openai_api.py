@@ -379,8 +379,11 @@ class _Job:
         async for i, out in self._merge(streams):
             for co, delta in zip(out.outputs, out.deltas):
                 idx = i * self.n + co.index
+                new_tokens = len(co.token_ids) > self.completion_tokens.get(idx, 0)
                 self.completion_tokens[idx] = len(co.token_ids)
-                if not delta and not co.finished:
+                # a token whose text is held back (a special token, a character's first bytes)
+                # still goes out, text "": clients see progress and its logprobs (as vLLM does)
+                if not delta and not co.finished and not new_tokens:
                     continue
                 yield self._chunk("text_completion", [
                     {"index": idx, "text": delta,
@@ -435,6 +438,7 @@ class _Job:
         #                              finished choice is in its siblings' later outputs too)
         async for _, out in self._merge(streams):
             for co, delta in zip(out.outputs, out.deltas):
+                new_tokens = len(co.token_ids) > self.completion_tokens.get(co.index, 0)
                 self.completion_tokens[co.index] = len(co.token_ids)
                 if co.index in done:
                     continue
@@ -450,8 +454,8 @@ class _Job:
                         delta += tail
                         if calls and finish_reason == "stop":
                             finish_reason = "tool_calls"
-                if not delta and not co.finished:
-                    continue
+                if not delta and not co.finished and not new_tokens:
+                    continue                     # as in stream_completion
                 logprobs = self._new_logprobs(co.index, co, chat=True)
                 if calls:       # content first, then the calls with the finish reason
                     if delta:

@@ -12,9 +12,10 @@ from kvforge.sched.scheduler import Scheduler
 class CachedSchedulerMachine(base.SchedulerMachine):
     @initialize(policy=st.sampled_from(["fcfs", "priority", "lpm"]), chunked=st.booleans(),
                 num_blocks=st.integers(8, 14), budget=st.integers(1, 40),
-                max_num_seqs=st.integers(3, 6))
-    def setup(self, policy, chunked, num_blocks, budget, max_num_seqs):
-        base.SchedulerMachine.setup(self, policy, chunked, num_blocks, budget, max_num_seqs)
+                max_num_seqs=st.integers(3, 6), prefill_ahead=st.integers(0, 2))
+    def setup(self, policy, chunked, num_blocks, budget, max_num_seqs, prefill_ahead):
+        base.SchedulerMachine.setup(self, policy, chunked, num_blocks, budget, max_num_seqs,
+                                    prefill_ahead)
         self.sched = Scheduler(self.config, KVCacheManager(num_blocks, base.BLOCK,
                                                            enable_prefix_caching=True))
 

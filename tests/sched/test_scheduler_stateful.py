@@ -16,15 +16,16 @@ MAX_MODEL_LEN = 32
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(),
+    @initialize(policy=st.sampled_from(["fcfs", "priority", "mlfq"]), chunked=st.booleans(),
                 num_blocks=st.integers(8, 14), budget=st.integers(1, 40),
-                max_num_seqs=st.integers(3, 6))
-    def setup(self, policy, chunked, num_blocks, budget, max_num_seqs):
+                max_num_seqs=st.integers(3, 6), prefill_ahead=st.integers(0, 2))
+    def setup(self, policy, chunked, num_blocks, budget, max_num_seqs, prefill_ahead=0):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
         self.config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=chunked, max_model_len=MAX_MODEL_LEN,
-                                      policy=policy, block_size=BLOCK)
+                                      policy=policy, block_size=BLOCK,
+                                      prefill_ahead=prefill_ahead)
         self.sched = Scheduler(self.config, KVCacheManager(num_blocks, BLOCK))
         self.all_requests: list[Request] = []
         self.ids = itertools.count()
@@ -48,7 +49,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = sched.schedule()
         lens = [out.num_scheduled_tokens[r.request_id] for r in out.scheduled]
         assert sum(lens) <= config.max_num_batched_tokens
-        assert len(lens) <= config.max_num_seqs and all(n > 0 for n in lens)
+        # prefilled-ahead requests ride beyond the sequence slots, whole prompts only
+        ahead = [r for r in out.scheduled if r.request_id in sched.parked]
+        assert len(lens) - len(ahead) <= config.max_num_seqs and all(n > 0 for n in lens)
+        assert len(ahead) <= config.prefill_ahead
+        assert all(r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+                   for r in ahead)
         assert lens == sorted(lens, key=lambda n: n != 1), f"decodes not first: {lens}"
         for r in out.scheduled:
             n = out.num_scheduled_tokens[r.request_id]
