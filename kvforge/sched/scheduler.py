@@ -16,8 +16,8 @@ a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``
        When a slot frees, a parked request resumes at its second token with nothing to
        recompute. Why: under load a new request otherwise waits for a slot before its first
        token (FCFS: a whole job's length), though its prefill is work the engine must do
-       anyway and a step's spare token budget does it at little cost to the running decodes
-       (they share the step's weight reads). Job completion order stays the policy's. When KV
+       anyway: done ahead, it delays the running decodes by one prefill, as its admission
+       would (docs/scheduling.md measures the difference). Job order stays the policy's. When KV
        blocks run short, parked requests give theirs back first (as a preempted request
        does: swapped out or recomputed later), before any running request is preempted.
     4. Parents whose chunk completes their prompt fork their pending n > 1 siblings.
@@ -148,10 +148,10 @@ class Scheduler:
         engine/decode_steps.py) without delaying a scheduling decision; None = no bound.
 
         Nothing waiting: no bound. A free sequence slot, or a request to prefill ahead: 1 (it
-        is admitted at the next step). Every slot taken: the next admission comes when a running request ends
-        (each row's k is capped at its max_tokens, so the call ends where the first one
-        finishes) or when the queue policy preempts one (``RequestQueue.decode_steps_bound``:
-        MLFQ, at the end of a running request's quantum)."""
+        is admitted at the next step). Every slot taken: the next admission comes when a
+        running request ends (each row's k is capped at its max_tokens, so the call ends where
+        the first one finishes) or when the queue policy preempts one
+        (``RequestQueue.decode_steps_bound``: MLFQ, at the end of a running request's quantum)."""
         if not self.waiting:
             return None
         if self._num_seq_slots_used() < self.config.max_num_seqs or self._prefills_ahead_next():
@@ -591,7 +591,8 @@ class Scheduler:
         for request in self.waiting:
             assert self.requests[request.request_id] is request
             if request.request_id in self.parked:
-                assert request.status in (RequestStatus.WAITING, RequestStatus.RUNNING), f"{request!r}"
+                assert request.status in (RequestStatus.WAITING, RequestStatus.RUNNING), (
+                    f"parked {request!r}")
                 assert self.kv_manager.has_blocks(request.request_id), f"parked {request!r}"
                 if request.status is RequestStatus.WAITING:
                     assert request.num_computed_tokens == request.num_tokens - 1, (
@@ -610,7 +611,8 @@ class Scheduler:
             assert not self.kv_manager.has_blocks(child_id), f"pending fork {child!r} holds blocks"
         if self.swapper is not None:
             self.swapper.check_integrity(set(waiting_ids))
-        assert set(self.parked) <= set(waiting_ids), f"parked outside the queue: {sorted(self.parked)}"
+        assert set(self.parked) <= set(waiting_ids), (
+            f"parked outside the queue: {sorted(self.parked)}")
         assert len(self.parked) <= self.config.prefill_ahead, "prefill_ahead exceeded"
         orphans = (set(self.kv_manager.request_ids()) - set(running_ids) - prefetched
                    - set(self.parked))
