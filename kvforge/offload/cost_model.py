@@ -135,11 +135,16 @@ def layer_load_s(m: ModelFacts, hw: HardwareCosts) -> float:
     return m.layer_bytes / hw.disk_read_bytes_per_s
 
 
-def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, seqs: int) -> float:
-    """A disk-KV layer's step: read the block's KV, write each sequence's current block."""
-    write = seqs * w.block_size * m.kv_bytes_per_token_layer
-    return (kv_layer_bytes(m, w, seqs) / hw.disk_read_bytes_per_s
-            + write / hw.disk_write_bytes_per_s)
+def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int,
+                  block_batches: int) -> float:
+    """A disk-KV layer's step: read the block's KV, write each batch's current blocks back.
+    A batch's sequences take their blocks together, so its current blocks lie in one span of
+    its own blocks, written as one direct write per plane (K, V): a write's latency plus the
+    span's bytes (at the read rate: the synced-write rate is not what a direct write of a
+    written file sees)."""
+    span = kv_layer_bytes(m, w, batch_size) // 2
+    write = 2 * block_batches * (hw.disk_block_write_s + span / hw.disk_read_bytes_per_s)
+    return kv_layer_bytes(m, w, batch_size * block_batches) / hw.disk_read_bytes_per_s + write
 
 
 def head_s(m: ModelFacts, hw: HardwareCosts, seqs: int, overlap: bool) -> float:
@@ -153,7 +158,7 @@ def category_layer_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: 
     """Seconds of one layer in each placement of CATEGORIES."""
     compute = layer_compute_s(m, hw, w, batch_size, block_batches)
     load = layer_load_s(m, hw)
-    kv_io = layer_kv_io_s(m, hw, w, batch_size * block_batches)
+    kv_io = layer_kv_io_s(m, hw, w, batch_size, block_batches)
     out = []
     for resident, kv_ram in CATEGORIES:
         io = (0.0 if resident else load) + (0.0 if kv_ram else kv_io)

@@ -29,7 +29,8 @@ from kvforge.models.base import PagedKVModelMixin
 from kvforge.offload.block_layer import block_layer_forward
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
+from kvforge.offload.kv_disk import (BlockReadPlan, DiskKVLayer, plan_block_reads,
+                                      plan_block_writes)
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.policy import Placement
 from kvforge.offload.schedule import group_batches, split_batches, zigzag_order
@@ -43,7 +44,7 @@ class _Batch:
     tokens: tuple[int, int]               # [t0, t1) of the step's tokens
     plan: BlockReadPlan | None = None     # disk-KV layers: staged blocks
     local_meta: AttentionMetadata | None = None
-    written: list[int] | None = None      # local ids of blocks receiving new tokens
+    write_runs: list[tuple[int, int]] | None = None   # local runs written back (new tokens)
 
 
 @dataclass
@@ -158,8 +159,8 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 local = [[plan.local_of[x] for x in t] for t in tables]
                 batch.plan = plan
                 batch.local_meta = AttentionMetadata.build(q, ctx, local, B)
-                batch.written = sorted({t[p // B] for t, c, n in zip(local, ctx, q)
-                                        for p in range(c, c + n)})
+                batch.write_runs = plan_block_writes(
+                    plan, [t[p // B] for t, c, n in zip(local, ctx, q) for p in range(c, c + n)])
             batches.append(batch)
         groups = []
         ram_kv = len(self.kv_disk) < self.num_layers
@@ -240,7 +241,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 out[lo:hi] = y
                 self.store_worker.submit(
                     f"kv {j}/{kb}",
-                    lambda b=batch, s=slot: disk.write(b.plan, b.written, s.buffer.view),
+                    lambda b=batch, s=slot: disk.write(b.plan, b.write_runs, s.buffer.view),
                     lambda s=slot: self.kv_loader.release(s))
             return out
 

@@ -41,9 +41,9 @@ def jittered_io(monkeypatch):
         time.sleep(rng.random() * 0.003)
         read(self, slot, stage)
 
-    def slow_write(self, plan, local_ids, buf):
+    def slow_write(self, plan, runs, buf):
         time.sleep(rng.random() * 0.003)
-        write(self, plan, local_ids, buf)
+        write(self, plan, runs, buf)
 
     monkeypatch.setattr(loader.StageLoader, "_read", slow_read)
     monkeypatch.setattr(kv_disk.DiskKVLayer, "write", slow_write)
