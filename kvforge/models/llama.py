@@ -55,6 +55,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(hidden, rotary, cos, sin)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+    def rotated_qkv(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) of ``hidden``, q and k rotated: what the
+        attention backend takes (kvforge/offload runs it on a block's rows in one call and the
+        attention on each batch's rows)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # qkv row: [ q (H heads) | k (KVH heads) | v (KVH heads) ]; q and k are rotated together
@@ -64,8 +73,7 @@ class LlamaAttention(nn.Module):
                           cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

@@ -1,5 +1,5 @@
 """Hardware constants of the cost model, measured once and cached: the disk tier's direct-read
-bandwidth, and the time a linear layer takes per million fp32 parameters at a few row counts
+bandwidth and small-write latency, and the time a linear layer takes per million fp32 parameters at a few row counts
 (memory-bound at few rows, compute-bound at many). ``kvforge offload calibrate`` runs it."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvforge.offload.direct_io import measure_disk_bandwidth
+from kvforge.offload.direct_io import measure_block_write_s, measure_disk_bandwidth
 
 CALIBRATION_ROWS = (1, 8, 32, 128, 512)
 CACHE_PATH = os.path.expanduser("~/.cache/kvforge/offload_calibration.json")
@@ -26,6 +26,8 @@ class HardwareCosts:
     linear_s_per_mparam: dict[int, float]
     memory_bytes_per_s: float             # streaming reads from RAM (attention over the KV)
     per_layer_call_s: float = 2e-4        # Python + small ops of one layer call on one batch
+    # one KV block's plane written back (a small direct write: latency-bound, not bytes)
+    disk_block_write_s: float = 1.1e-4
 
     def linear_seconds(self, params: float, rows: int) -> float:
         """Interpolated in log(rows) between the measured points; linear in rows past the last."""
@@ -51,11 +53,12 @@ class HardwareCosts:
 
 def _cache_key(offload_dir: str) -> str:
     st = os.stat(offload_dir)
-    return f"v3|{platform.node()}|{platform.processor()}|dev{st.st_dev}|threads{torch.get_num_threads()}"
+    return f"v4|{platform.node()}|{platform.processor()}|dev{st.st_dev}|threads{torch.get_num_threads()}"
 
 
 def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
     disk_read, disk_write = measure_disk_bandwidth(offload_dir, probe_bytes)
+    block_write = measure_block_write_s(offload_dir)
     n = k = 2048                              # 4M params, 16 MB: past the caches
     w = torch.randn(n, k)
     per_rows = {}
@@ -87,7 +90,7 @@ def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
             for _ in range(12):
                 h = h * 1.0
         per_call = (time.perf_counter() - start) / 200
-    return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call)
+    return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call, block_write)
 
 
 def load_or_measure(offload_dir: str, refresh: bool = False,

@@ -36,6 +36,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"offload calibration ({'measured' if measured else 'cached'}; disk tier {directory}):")
     print(f"  disk reads  {hw.disk_read_bytes_per_s / 1e6:8.0f} MB/s (direct)")
     print(f"  disk writes {hw.disk_write_bytes_per_s / 1e6:8.0f} MB/s (synced)")
+    print(f"  KV block write-back {hw.disk_block_write_s * 1e6:8.0f} us per block plane (direct)")
     print(f"  RAM reads   {hw.memory_bytes_per_s / 1e6:8.0f} MB/s")
     for rows, s in sorted(hw.linear_s_per_mparam.items()):
         print(f"  linear, {rows:4d} rows: {s * 1e3:7.3f} ms per million fp32 weights")

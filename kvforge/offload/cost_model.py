@@ -17,6 +17,9 @@ from kvforge.offload.calibrate import HardwareCosts
 # (weights resident, KV in RAM) of the four layer placements, in the order layers take them
 CATEGORIES = ((True, True), (False, True), (True, False), (False, False))
 KV_STAGING_SLOTS = 3           # one batch computing, one loading, one being written back
+# a layer's dense projections take up to this many of the step's tokens in one call (a decode
+# block whole; a prefill step in groups of batches, which bounds the activations it holds)
+DENSE_GROUP_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,10 @@ class ModelFacts:
     vocab_size: int
     kv_bytes_per_token_layer: int
     fixed_bytes: int            # always resident: norms, the rotary table
-    # seconds of one decoder layer on one batch of decodes, timed on this model at start-up
+    # ((batches, seconds), ...): one decoder layer on a block of that many batches of decodes
+    # (projections over the block's rows, attention per batch), timed on this model at start-up
     # (None: estimated from the calibrated linear rate, which misses attention and small ops)
-    layer_batch_s: float | None = None
+    layer_block_s: tuple[tuple[int, float], ...] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -53,15 +57,23 @@ class Workload:
     block_size: int = 16         # tokens per KV block
 
 
+def group_tokens(w: Workload, batch_size: int, block_batches: int) -> int:
+    """The most tokens one call of a layer's projections takes: a group of batches of at most
+    DENSE_GROUP_ROWS tokens, or one batch when it alone is larger."""
+    step_tokens = min(w.step_tokens, batch_size * block_batches * w.seq_len)
+    return min(step_tokens, max(DENSE_GROUP_ROWS, batch_size * w.seq_len))
+
+
 def activation_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: int) -> int:
-    """Fast-tier bytes of activations: every batch's hidden + residual for the step's tokens,
-    one batch's MLP intermediates (batches run one at a time) and the block's logits (twice:
-    the sampler's working copy)."""
+    """Fast-tier bytes of activations: hidden + residual of the step's tokens, one group's
+    transients (normed input, q/k/v, attention output, MLP intermediates: at most 3
+    intermediate + 8 hidden floats a token) and the block's logits (twice: the sampler's
+    working copy)."""
     seqs = batch_size * block_batches
     step_tokens = min(w.step_tokens, seqs * w.seq_len)
-    batch_tokens = min(step_tokens, batch_size * w.seq_len)
     return 4 * (step_tokens * 2 * m.hidden_size
-                + batch_tokens * (3 * m.intermediate_size + 4 * m.hidden_size)
+                + group_tokens(w, batch_size, block_batches)
+                * (3 * m.intermediate_size + 8 * m.hidden_size)
                 + 2 * seqs * m.vocab_size)
 
 
@@ -94,23 +106,45 @@ def fast_tier_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: 
 def layer_compute_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int,
                     block_batches: int) -> float:
     """One layer over every batch of the block, one decode token per sequence: the weights'
-    GEMM at ``batch_size`` rows per batch plus attention reading each sequence's KV."""
-    if m.layer_batch_s is not None:
-        return block_batches * m.layer_batch_s
-    per_batch = (hw.linear_seconds(m.layer_params, batch_size) + hw.per_layer_call_s
-                 + batch_size * w.seq_len * m.kv_bytes_per_token_layer / hw.memory_bytes_per_s)
-    return block_batches * per_batch
+    GEMM over the block's rows (in groups of at most DENSE_GROUP_ROWS) plus attention per
+    batch reading each sequence's KV."""
+    if m.layer_block_s:
+        return interpolate_block_s(m.layer_block_s, block_batches)
+    rows = batch_size * block_batches
+    groups = math.ceil(rows / max(DENSE_GROUP_ROWS, batch_size))
+    return (groups * (hw.linear_seconds(m.layer_params, math.ceil(rows / groups))
+                      + hw.per_layer_call_s)
+            + rows * w.seq_len * m.kv_bytes_per_token_layer / hw.memory_bytes_per_s)
+
+
+def interpolate_block_s(points: tuple[tuple[int, float], ...], block_batches: int) -> float:
+    """Seconds at ``block_batches`` from timed (batches, seconds) points: linear between them,
+    proportional to the batches past the last (more groups of the same size)."""
+    pts = sorted(points)
+    if block_batches >= pts[-1][0]:
+        return pts[-1][1] * block_batches / pts[-1][0]
+    if block_batches <= pts[0][0]:
+        return pts[0][1] * block_batches / pts[0][0]
+    for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+        if n0 <= block_batches <= n1:
+            return s0 + (s1 - s0) * (block_batches - n0) / (n1 - n0)
+    raise AssertionError("unreachable")
 
 
 def layer_load_s(m: ModelFacts, hw: HardwareCosts) -> float:
     return m.layer_bytes / hw.disk_read_bytes_per_s
 
 
-def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, seqs: int) -> float:
-    """A disk-KV layer's step: read the block's KV, write each sequence's current block."""
-    write = seqs * w.block_size * m.kv_bytes_per_token_layer
-    return (kv_layer_bytes(m, w, seqs) / hw.disk_read_bytes_per_s
-            + write / hw.disk_write_bytes_per_s)
+def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int,
+                  block_batches: int) -> float:
+    """A disk-KV layer's step: read the block's KV, write each batch's current blocks back.
+    A batch's sequences take their blocks together, so its current blocks lie in one span of
+    its own blocks, written as one direct write per plane (K, V): a write's latency plus the
+    span's bytes (at the read rate: the synced-write rate is not what a direct write of a
+    written file sees)."""
+    span = kv_layer_bytes(m, w, batch_size) // 2
+    write = 2 * block_batches * (hw.disk_block_write_s + span / hw.disk_read_bytes_per_s)
+    return kv_layer_bytes(m, w, batch_size * block_batches) / hw.disk_read_bytes_per_s + write
 
 
 def head_s(m: ModelFacts, hw: HardwareCosts, seqs: int, overlap: bool) -> float:
@@ -124,7 +158,7 @@ def category_layer_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: 
     """Seconds of one layer in each placement of CATEGORIES."""
     compute = layer_compute_s(m, hw, w, batch_size, block_batches)
     load = layer_load_s(m, hw)
-    kv_io = layer_kv_io_s(m, hw, w, batch_size * block_batches)
+    kv_io = layer_kv_io_s(m, hw, w, batch_size, block_batches)
     out = []
     for resident, kv_ram in CATEGORIES:
         io = (0.0 if resident else load) + (0.0 if kv_ram else kv_io)

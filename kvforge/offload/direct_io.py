@@ -107,3 +107,27 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 256 << 20,
     finally:
         f.close()
         os.unlink(path)
+
+
+def measure_block_write_s(directory: str, nbytes: int = 16 << 10, count: int = 96) -> float:
+    """Seconds of one small direct write (a KV block's plane, ``nbytes``), one at a time, into
+    a written file at a stride of 3 blocks (a decode batch's pattern: each sequence's current
+    block, between its others). On a virtual disk it is latency, not bytes: ~110 us whatever
+    the size up to tens of KiB, so a batch's write-back costs its number of writes."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, ".kvforge-write-probe")
+    size = 3 * count * nbytes
+    write_file(path, [(0, bytes(size))], size)
+    fd, direct = open_direct(path, writable=True)
+    buf = AlignedBuffer(nbytes)
+    buf.view[:] = os.urandom(buf.nbytes)
+    try:
+        start = time.perf_counter()
+        for i in range(count):
+            os.pwritev(fd, [buf.view[:nbytes]], 3 * i * nbytes)
+            if not direct:
+                os.fdatasync(fd)
+        return (time.perf_counter() - start) / count
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -5,7 +5,9 @@ so block ids, block tables, prefix sharing and copy-on-write mean what they mean
 A batch reads the blocks its block tables name into a staging buffer: contiguous ids (and
 small gaps, read through) become one direct read each, and the batch's metadata is rewritten
 to the staging buffer's local ids. After the layer runs, the blocks that received new tokens
-are written back."""
+are written back, joined into one write through the batch's other blocks between them (their
+staged copies equal the disk's): a small direct write costs its latency, not its bytes (one
+264 KiB write ~125 us, eight 12 KiB ones ~480 us on the virtual disk measured)."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,9 @@ class BlockReadPlan:
     runs: list[tuple[int, int, int]]
     num_local: int
     local_of: dict[int, int] = field(default_factory=dict)
+    # local ids of the blocks asked for (the rest are gaps read through: other sequences' or
+    # free blocks, which a write-back must not overwrite with this batch's staged copy)
+    requested: frozenset[int] = frozenset()
 
 
 def plan_block_reads(block_ids: list[int], max_gap: int = MAX_GAP_BLOCKS) -> BlockReadPlan:
@@ -44,7 +49,28 @@ def plan_block_reads(block_ids: list[int], max_gap: int = MAX_GAP_BLOCKS) -> Blo
     for first, count, l0 in runs:
         for i in range(count):
             local_of[first + i] = l0 + i
-    return BlockReadPlan(runs, local, local_of)
+    return BlockReadPlan(runs, local, local_of, frozenset(local_of[b] for b in ids))
+
+
+def plan_block_writes(plan: BlockReadPlan, written: list[int]) -> list[tuple[int, int]]:
+    """(first local id, count) runs writing back the local blocks ``written``: consecutive
+    written blocks of one read run join, and so do written blocks separated only by blocks the
+    batch asked for (unchanged this step: only a sequence's own current block takes tokens, and
+    a shared block is copied before it would). Gaps that were read through break a run."""
+    run_of = {}
+    for i, (_, count, l0) in enumerate(plan.runs):
+        for l in range(l0, l0 + count):
+            run_of[l] = i
+    out: list[tuple[int, int]] = []
+    for l in sorted(set(written)):
+        if out:
+            first, count = out[-1]
+            end = first + count
+            if run_of[l] == run_of[first] and all(x in plan.requested for x in range(end, l)):
+                out[-1] = (first, l - first + 1)
+                continue
+        out.append((l, 1))
+    return out
 
 
 class DiskKVLayer:
@@ -84,16 +110,18 @@ class DiskKVLayer:
                 self._io(os.preadv, dst, (plane * self.num_blocks + first) * self.block_bytes)
                 self.bytes_read += n
 
-    def write(self, plan: BlockReadPlan, local_ids: list[int], buf: memoryview) -> None:
-        """Write staged blocks ``local_ids`` back to their global places."""
+    def write(self, plan: BlockReadPlan, runs: list[tuple[int, int]], buf: memoryview) -> None:
+        """Write staged blocks back to their global places: ``runs`` of (first local id,
+        count) within one read run each (``plan_block_writes``), one write per run and plane."""
         half = plan.num_local * self.block_bytes
         global_of = {l: g for g, l in plan.local_of.items()}
         for plane in (0, 1):
-            for l in local_ids:
-                src = buf[plane * half + l * self.block_bytes:][:self.block_bytes]
+            for l, count in runs:
+                n = count * self.block_bytes
+                src = buf[plane * half + l * self.block_bytes:][:n]
                 self._io(os.pwritev, src,
                          (plane * self.num_blocks + global_of[l]) * self.block_bytes)
-                self.bytes_written += self.block_bytes
+                self.bytes_written += n
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of whole blocks, K and V."""

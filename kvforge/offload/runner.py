@@ -20,8 +20,8 @@ from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import DiskKVLayer
-from kvforge.offload.layer_timing import time_layer_batch
-from kvforge.offload.policy import choose_placement, parse_policy
+from kvforge.offload.layer_timing import time_layer_blocks
+from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
 from kvforge.offload.streamed_model import OffloadedLM
 from kvforge.offload.trace import TraceRecorder
@@ -101,10 +101,12 @@ class OffloadModelRunner(ModelRunner):
                             block_size=config.block_size)
         facts = dataclasses.replace(
             model_facts(skeleton, store),
-            layer_batch_s=time_layer_batch(skeleton, store, config.offload_batch_size,
-                                           workload.seq_len, config.block_size))
-        logger.info("offload: one layer on a batch of %d decodes: %.2f ms",
-                    config.offload_batch_size, facts.layer_batch_s * 1e3)
+            layer_block_s=time_layer_blocks(skeleton, store, config.offload_batch_size,
+                                            workload.seq_len, config.block_size,
+                                            config.offload_block_batches or MAX_BLOCK_BATCHES))
+        logger.info("offload: one layer on blocks of batches of %d decodes: %s",
+                    config.offload_batch_size,
+                    ", ".join(f"{n} batches {s * 1e3:.2f} ms" for n, s in facts.layer_block_s))
         placement = choose_placement(parse_policy(config.offload_policy), facts, hw, workload,
                                      config.offload_memory_budget_bytes,
                                      config.offload_batch_size, config.offload_block_batches)

@@ -24,3 +24,22 @@ def split_batches(num_seqs: int, batch_size: int) -> list[tuple[int, int]]:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return [(s, min(s + batch_size, num_seqs)) for s in range(0, num_seqs, batch_size)]
+
+
+def group_batches(batch_tokens: list[int], max_rows: int) -> list[list[int]]:
+    """Consecutive batches joined into groups of at most ``max_rows`` tokens (a batch larger
+    than that is a group alone): the rows a layer's dense projections run on in one call.
+    Attention still runs per batch where the KV is staged per batch; a group bounds the
+    activations a projection holds (a prefill step's thousands of tokens)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    groups: list[list[int]] = []
+    rows = 0
+    for k, n in enumerate(batch_tokens):
+        if groups and rows + n <= max_rows:
+            groups[-1].append(k)
+            rows += n
+        else:
+            groups.append([k])
+            rows = n
+    return groups

@@ -7,8 +7,12 @@ the server run unchanged on top. Inside, the step's sequences are cut into batch
 ``batch_size`` (together: the block) and traversed in the zig-zag order: a layer's weights,
 read once (or resident), serve every batch of the block while the weight loader reads the next
 layer; a disk-KV layer's batches are staged by the KV loader one batch ahead and written back
-by the store thread behind. The LM head streams in chunks of at most a layer's size, each chunk
-serving every row of the block."""
+by the store thread behind. The batches' activations are all in RAM, so a layer's dense
+projections (q/k/v, o, MLP) run over a whole group of batches (up to ``DENSE_GROUP_ROWS``
+tokens: the whole block of a decode step) in one call, where a GEMM costs a third per row of
+what it costs on one batch; only a disk-KV layer's attention runs batch by batch, on the KV
+staged for that batch (a RAM-KV layer attends over the group at once). The LM head streams in
+chunks of at most a layer's size, each chunk serving every row of the block."""
 from __future__ import annotations
 
 import ctypes
@@ -22,12 +26,14 @@ from torch import nn
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
-from kvforge.offload.cost_model import KV_STAGING_SLOTS
+from kvforge.offload.block_layer import block_layer_forward
+from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
+from kvforge.offload.kv_disk import (BlockReadPlan, DiskKVLayer, plan_block_reads,
+                                      plan_block_writes)
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.policy import Placement
-from kvforge.offload.schedule import split_batches, zigzag_order
+from kvforge.offload.schedule import group_batches, split_batches, zigzag_order
 from kvforge.offload.store_worker import StoreWorker
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore
@@ -36,10 +42,17 @@ from kvforge.offload.weight_store import WeightStore
 @dataclass
 class _Batch:
     tokens: tuple[int, int]               # [t0, t1) of the step's tokens
-    meta: AttentionMetadata               # global block ids (RAM-KV layers)
     plan: BlockReadPlan | None = None     # disk-KV layers: staged blocks
     local_meta: AttentionMetadata | None = None
-    written: list[int] | None = None      # local ids of blocks receiving new tokens
+    write_runs: list[tuple[int, int]] | None = None   # local runs written back (new tokens)
+
+
+@dataclass
+class _Group:
+    """Consecutive batches whose rows the dense projections take in one call."""
+    tokens: tuple[int, int]               # [t0, t1) of the step's tokens
+    batches: list[int]                    # indices into the step's batches
+    meta: AttentionMetadata | None        # global block ids (RAM-KV layers' attention)
 
 
 def _malloc_trim():
@@ -128,28 +141,37 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         return [Stage(f"head {i}", lambda buf, c=c: store.read_head_chunk(c, buf))
                 for i, c in enumerate(self.head_chunks)]
 
-    def _batches(self, meta: AttentionMetadata) -> list[_Batch]:
+    def _batches(self, meta: AttentionMetadata) -> tuple[list[_Batch], list[_Group]]:
         ranges = split_batches(meta.num_seqs, self.placement.batch_size)
         qsl = meta.query_start_loc.tolist()
         B = meta.block_size
         ctx_all = meta.context_lens.tolist()
-        out = []
+        tables_all = [meta.block_tables[i, :math.ceil(meta.seq_lens_list[i] / B)].tolist()
+                      for i in range(meta.num_seqs)]
+        batches = []
         for a, b in ranges:
-            q = meta.query_lens_list[a:b]
-            ctx = ctx_all[a:b]
-            tables = [meta.block_tables[i, :math.ceil(meta.seq_lens_list[i] / B)].tolist()
-                      for i in range(a, b)]
-            sub = meta if len(ranges) == 1 else AttentionMetadata.build(q, ctx, tables, B)
-            batch = _Batch((qsl[a], qsl[b]), sub)
+            batch = _Batch((qsl[a], qsl[b]))
             if self.kv_disk:
+                q = meta.query_lens_list[a:b]
+                ctx = ctx_all[a:b]
+                tables = tables_all[a:b]
                 plan = plan_block_reads([x for t in tables for x in t])
                 local = [[plan.local_of[x] for x in t] for t in tables]
                 batch.plan = plan
                 batch.local_meta = AttentionMetadata.build(q, ctx, local, B)
-                batch.written = sorted({t[p // B] for t, c, n in zip(local, ctx, q)
-                                        for p in range(c, c + n)})
-            out.append(batch)
-        return out
+                batch.write_runs = plan_block_writes(
+                    plan, [t[p // B] for t, c, n in zip(local, ctx, q) for p in range(c, c + n)])
+            batches.append(batch)
+        groups = []
+        ram_kv = len(self.kv_disk) < self.num_layers
+        for ks in group_batches([b.tokens[1] - b.tokens[0] for b in batches], DENSE_GROUP_ROWS):
+            a, b = ranges[ks[0]][0], ranges[ks[-1]][1]
+            sub = None
+            if ram_kv:
+                sub = meta if len(ks) == len(batches) else AttentionMetadata.build(
+                    meta.query_lens_list[a:b], ctx_all[a:b], tables_all[a:b], B)
+            groups.append(_Group((qsl[a], qsl[b]), ks, sub))
+        return batches, groups
 
     # ------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -159,7 +181,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         self.loader.drain()          # head chunks of a step that needed no logits
         self._step_start = self.trace.now()
         self._step_seqs = meta.num_seqs if meta.num_decodes == meta.num_seqs else 0
-        batches = self._batches(meta)
+        batches, groups = self._batches(meta)
         order = zigzag_order(self.num_layers, len(batches))
         streamed = [j for j in range(self.num_layers) if j not in self.resident_layers]
         self.loader.schedule([self._layer_stage(j) for j in streamed] + self._head_stages())
@@ -169,41 +191,61 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
 
         model = self.inner.model
         rotary = model.rotary_emb
-        hidden = [self.store.embedding_rows(input_ids[b.tokens[0]:b.tokens[1]]) for b in batches]
-        residual: list[torch.Tensor | None] = [None] * len(batches)
-        cos_sin = [rotary.cos_sin(positions[b.tokens[0]:b.tokens[1]]) for b in batches]
-        n = len(batches)
-        weights = None
-        for i, (j, k) in enumerate(order):
+        hidden = [self.store.embedding_rows(input_ids[g.tokens[0]:g.tokens[1]]) for g in groups]
+        residual: list[torch.Tensor | None] = [None] * len(groups)
+        cos_sin = [rotary.cos_sin(positions[g.tokens[0]:g.tokens[1]]) for g in groups]
+        for j in range(self.num_layers):
             layer = model.layers[j]
-            if i % n == 0:                        # first batch of layer j: its weights
-                if j not in self.resident_layers:
-                    weights = self.loader.acquire(f"layer {j}")
-                    self.store.bind_layer(layer, j, weights.tensor)
-                start = self.trace.now()
-            batch = batches[k]
-            cos, sin = cos_sin[k]
-            disk = self.kv_disk.get(j)
-            if disk is None:
-                hidden[k], residual[k] = layer(hidden[k], residual[k], rotary, cos, sin,
-                                               kv_caches[j], batch.meta)
-            else:
-                slot = self.kv_loader.acquire(f"kv {j}/{k}")
-                cache = disk.staging_view(slot.tensor, batch.plan)
-                hidden[k], residual[k] = layer(hidden[k], residual[k], rotary, cos, sin,
-                                               cache, batch.local_meta)
-                self.store_worker.submit(
-                    f"kv {j}/{k}",
-                    lambda d=disk, b=batch, s=slot: d.write(b.plan, b.written, s.buffer.view),
-                    lambda s=slot: self.kv_loader.release(s))
-            if i % n == n - 1:                    # last batch of layer j: its slot is free
-                self.trace.add("compute", f"layer {j}", start, self.trace.now())
-                if j not in self.resident_layers:
-                    self.loader.release(weights)
+            if j not in self.resident_layers:
+                weights = self.loader.acquire(f"layer {j}")
+                self.store.bind_layer(layer, j, weights.tensor)
+            start = self.trace.now()
+            # the zig-zag: groups, and batches within them, in the order `order` staged the KV
+            forward_dir = j % 2 == 0
+            for g in (range(len(groups)) if forward_dir else range(len(groups) - 1, -1, -1)):
+                group = groups[g]
+                cos, sin = cos_sin[g]
+                disk = self.kv_disk.get(j)
+                if disk is None:
+                    attend = (lambda q, k, v, c=kv_caches[j], m=group.meta:
+                              layer.self_attn.attn.forward(q, k, v, c, m))
+                else:
+                    attend = self._disk_attention(j, layer, disk, batches, group, forward_dir)
+                hidden[g], residual[g] = block_layer_forward(layer, hidden[g], residual[g],
+                                                             rotary, cos, sin, attend)
+            self.trace.add("compute", f"layer {j}", start, self.trace.now())
+            if j not in self.resident_layers:
+                self.loader.release(weights)
         if self.store_worker is not None:
             self.store_worker.flush()             # the next step reads what this one wrote
         out = [model.norm(h, r)[0] for h, r in zip(hidden, residual)]
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _disk_attention(self, j: int, layer, disk: DiskKVLayer, batches: list[_Batch],
+                        group: _Group, forward_dir: bool):
+        """Attention of a disk-KV layer over ``group``'s rows: batch by batch, each on the KV
+        the KV loader staged for it, its new blocks handed to the store thread."""
+        backend = layer.self_attn.attn
+
+        def attend(q, k, v):
+            out = None
+            t0 = group.tokens[0]
+            for kb in (group.batches if forward_dir else reversed(group.batches)):
+                batch = batches[kb]
+                lo, hi = batch.tokens[0] - t0, batch.tokens[1] - t0
+                slot = self.kv_loader.acquire(f"kv {j}/{kb}")
+                cache = disk.staging_view(slot.tensor, batch.plan)
+                y = backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], cache, batch.local_meta)
+                if out is None:
+                    out = y.new_empty((q.shape[0],) + tuple(y.shape[1:]))
+                out[lo:hi] = y
+                self.store_worker.submit(
+                    f"kv {j}/{kb}",
+                    lambda b=batch, s=slot: disk.write(b.plan, b.write_runs, s.buffer.view),
+                    lambda s=slot: self.kv_loader.release(s))
+            return out
+
+        return attend
 
     def _schedule_kv(self, batches: list[_Batch], order: list[tuple[int, int]]) -> None:
         need = max(next(iter(self.kv_disk.values())).staging_bytes(b.plan) for b in batches)

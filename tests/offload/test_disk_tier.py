@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, write_file
-from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads
+from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads, plan_block_writes
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore, _layout, _raw, layer_tensors
@@ -64,6 +64,20 @@ def test_block_read_plan_coalesces_runs_and_short_gaps():
     assert [plan.local_of[b] for b in (3, 5, 7, 9, 20, 21)] == [0, 2, 4, 6, 7, 8]
 
 
+def test_block_write_plan_joins_written_blocks_through_the_batchs_own_blocks_only():
+    # three sequences of 3 blocks (3..11) whose current blocks are 5, 8, 11; then 20, 21
+    plan = plan_block_reads([3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21])
+    lo = plan.local_of
+    assert plan_block_writes(plan, [lo[5], lo[8], lo[11]]) == [(lo[5], 7)]   # one write
+    assert plan_block_writes(plan, [lo[11], lo[20], lo[21]]) == [(lo[11], 1), (lo[20], 2)]
+    # 6 and 8 are gaps read through (another sequence's or free blocks): never written over
+    gaps = plan_block_reads([5, 7, 9])
+    assert gaps.runs == [(5, 5, 0)]
+    assert plan_block_writes(gaps, [gaps.local_of[b] for b in (5, 7, 9)]) == [
+        (0, 1), (2, 1), (4, 1)]
+    assert plan_block_writes(gaps, []) == []
+
+
 def test_disk_kv_layer_round_trip(tmp_path):
     shape = (16, 2, 32)                       # block of 16 tokens x 2 heads x 32 dims, fp32
     layer = DiskKVLayer(str(tmp_path / "kv"), num_blocks=40, block_shape=shape,
@@ -74,7 +88,7 @@ def test_disk_kv_layer_round_trip(tmp_path):
     staged = layer.staging_view(buf.tensor, plan)
     staged.copy_(torch.randn_like(staged))
     expect = staged.clone()
-    layer.write(plan, [plan.local_of[3], plan.local_of[30]], buf.view)
+    layer.write(plan, plan_block_writes(plan, [plan.local_of[3], plan.local_of[30]]), buf.view)
     layer.copy_blocks([(30, 31)])
     staged.zero_()
     layer.read(plan, buf.view)

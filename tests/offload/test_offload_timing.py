@@ -1,8 +1,9 @@
 """The offloaded step's stage protocol under adversarial thread timing: random delays in the
 weight loader's, the KV loader's and the store thread's I/O, with placements that mix RAM-KV,
 disk-KV and resident layers, steps with fewer batches than the block, steps that need no logits
-(chunked prefill), preemption (a KV pool too small for every sequence) and the last steps where
-the block empties. Greedy tokens must equal the in-memory run's and no order check may fire."""
+(chunked prefill), preemption (a KV pool too small for every sequence), the last steps where
+the block empties, and projection groups smaller than the step (several groups a layer, a
+group's RAM-KV attention on its own metadata). Greedy tokens must equal the in-memory run's and no order check may fire."""
 import random
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from kvforge import LLM, SamplingParams
 from tests.offload.conftest import greedy_in_memory
 from tests.offload.test_offloaded_engine import PROMPTS as ENGINE_PROMPTS
-from kvforge.offload import kv_disk, loader
+from kvforge.offload import kv_disk, loader, streamed_model
 
 # the engine tests' prompts and two more: 8 sequences, so blocks of several batches
 PROMPTS = [*ENGINE_PROMPTS, "Robot number 7 lived near the harbour", "A B C"]
@@ -40,23 +41,28 @@ def jittered_io(monkeypatch):
         time.sleep(rng.random() * 0.003)
         read(self, slot, stage)
 
-    def slow_write(self, plan, local_ids, buf):
+    def slow_write(self, plan, runs, buf):
         time.sleep(rng.random() * 0.003)
-        write(self, plan, local_ids, buf)
+        write(self, plan, runs, buf)
 
     monkeypatch.setattr(loader.StageLoader, "_read", slow_read)
     monkeypatch.setattr(kv_disk.DiskKVLayer, "write", slow_write)
 
 
-@pytest.mark.parametrize("policy, block_batches, num_kv_blocks", [
-    ("w=0,kv=20", 8, None),      # the grid point that once stopped: RAM-KV layer 0, rest disk
-    ("w=0,kv=40", 3, None),
-    ("w=40,kv=0", 2, None),      # resident layers first, every layer's KV on disk
-    ("w=20,kv=60", 4, None),
-    ("w=0,kv=20", 8, 12),        # a pool too small for the block: preemption
+@pytest.mark.parametrize("policy, block_batches, num_kv_blocks, group_rows", [
+    ("w=0,kv=20", 8, None, None),   # the grid point that once stopped: RAM-KV layer 0, rest disk
+    ("w=0,kv=40", 3, None, None),
+    ("w=40,kv=0", 2, None, None),   # resident layers first, every layer's KV on disk
+    ("w=20,kv=60", 4, None, None),
+    ("w=0,kv=20", 8, 12, None),     # a pool too small for the block: preemption
+    ("w=0,kv=40", 3, None, 5),      # groups of 1-2 batches: several per layer and step
+    ("w=20,kv=60", 4, 12, 3),       # prefill batches larger than a group, and preemption
 ])
 def test_stage_protocol_under_io_jitter(tiny_dir, tmp_path, in_memory_tokens, jittered_io,
-                                        policy, block_batches, num_kv_blocks):
+                                        monkeypatch, policy, block_batches, num_kv_blocks,
+                                        group_rows):
+    if group_rows is not None:
+        monkeypatch.setattr(streamed_model, "DENSE_GROUP_ROWS", group_rows)
     llm = LLM(tiny_dir, max_model_len=128, offload_dir=str(tmp_path),
               offload_memory_budget="64MiB", offload_policy=policy, offload_batch_size=2,
               offload_block_batches=block_batches, num_kv_blocks=num_kv_blocks,

@@ -75,6 +75,41 @@ def test_block_of_batches_reads_each_layer_once_per_step(tiny_dir, offload_dir):
     llm.engine.shutdown()
 
 
+def test_projections_take_the_whole_block_and_disk_kv_attends_per_batch(tiny_dir, offload_dir,
+                                                                         in_memory_tokens):
+    """A step runs each layer's q/k/v projection once over all of the block's rows (not once
+    per batch); a RAM-KV layer attends over them in one call, a disk-KV layer batch by batch on
+    its staged KV."""
+    llm = offloaded(tiny_dir, offload_dir, offload_policy="w=0,kv=50", offload_batch_size=2,
+                    offload_block_batches=3)
+    model = llm.engine.runner.model
+    layers = model.inner.model.layers
+    assert sorted(model.kv_disk) == [2, 3]              # layers 0-1 keep their KV in RAM
+    qkv_rows = {0: [], 3: []}
+    attn_rows = {0: [], 3: []}
+    for j in qkv_rows:
+        layers[j].self_attn.qkv_proj.register_forward_hook(
+            lambda mod, args, out, j=j: qkv_rows[j].append(args[0].shape[0]))
+        backend = layers[j].self_attn.attn
+        forward = backend.forward
+
+        def counted(q, k, v, cache, meta, j=j, forward=forward):
+            attn_rows[j].append(q.shape[0])
+            return forward(q, k, v, cache, meta)
+
+        backend.forward = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert got == in_memory_tokens
+    steps = sum(1 for lane, name, _, _ in model.trace.events
+                if lane == "compute" and name == "layer 0")
+    assert len(qkv_rows[0]) == len(qkv_rows[3]) == len(attn_rows[0]) == steps
+    assert max(qkv_rows[3]) > 2                         # more than one batch's rows at once
+    assert qkv_rows[0] == attn_rows[0]
+    # disk KV: one attention call per batch (at most 2 rows a decode batch), same rows in all
+    assert len(attn_rows[3]) > steps and sum(attn_rows[3]) == sum(qkv_rows[3])
+    llm.engine.shutdown()
+
+
 def test_fast_tier_bytes_stay_within_the_budget(tiny_dir, offload_dir):
     budget = 24 * 2 ** 20
     llm = offloaded(tiny_dir, offload_dir, offload_memory_budget=budget, offload_batch_size=2)

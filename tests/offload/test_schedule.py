@@ -1,7 +1,7 @@
-"""The zig-zag block order and the batch split."""
+"""The zig-zag block order, the batch split and the projection groups."""
 import pytest
 
-from kvforge.offload.schedule import split_batches, zigzag_order
+from kvforge.offload.schedule import group_batches, split_batches, zigzag_order
 
 
 def test_zigzag_walks_layers_column_by_column_alternating_direction():
@@ -30,3 +30,12 @@ def test_split_batches_and_bad_sizes():
         split_batches(3, 0)
     with pytest.raises(ValueError, match="num_batches"):
         zigzag_order(2, 0)
+
+
+def test_group_batches_joins_consecutive_batches_up_to_the_row_limit():
+    # a decode block (2 rows a batch) is one group; prefill batches split where rows run out
+    assert group_batches([2, 2, 2, 1], 512) == [[0, 1, 2, 3]]
+    assert group_batches([5, 3, 4, 9, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert group_batches([], 8) == []
+    with pytest.raises(ValueError, match="max_rows"):
+        group_batches([1], 0)
