@@ -6,6 +6,11 @@ on, whose activations are the most recently touched."""
 from __future__ import annotations
 
 
+def walks_forward(layer: int) -> bool:
+    """Whether ``layer`` walks the block's batches 0..n-1 (else n-1..0)."""
+    return layer % 2 == 0
+
+
 def zigzag_order(num_layers: int, num_batches: int) -> list[tuple[int, int]]:
     """[(layer, batch)] in compute order."""
     if num_layers < 0 or num_batches < 1:
@@ -13,7 +18,7 @@ def zigzag_order(num_layers: int, num_batches: int) -> list[tuple[int, int]]:
                          f"{num_batches}")
     order: list[tuple[int, int]] = []
     for layer in range(num_layers):
-        batches = range(num_batches) if layer % 2 == 0 else range(num_batches - 1, -1, -1)
+        batches = range(num_batches) if walks_forward(layer) else range(num_batches - 1, -1, -1)
         order.extend((layer, b) for b in batches)
     return order
 

@@ -33,7 +33,7 @@ from kvforge.offload.kv_disk import (BlockReadPlan, DiskKVLayer, plan_block_read
                                       plan_block_writes)
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.policy import Placement
-from kvforge.offload.schedule import group_batches, split_batches, zigzag_order
+from kvforge.offload.schedule import group_batches, split_batches, walks_forward, zigzag_order
 from kvforge.offload.store_worker import StoreWorker
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore
@@ -201,11 +201,11 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 self.store.bind_layer(layer, j, weights.tensor)
             start = self.trace.now()
             # the zig-zag: groups, and batches within them, in the order `order` staged the KV
-            forward_dir = j % 2 == 0
+            forward_dir = walks_forward(j)
+            disk = self.kv_disk.get(j)
             for g in (range(len(groups)) if forward_dir else range(len(groups) - 1, -1, -1)):
                 group = groups[g]
                 cos, sin = cos_sin[g]
-                disk = self.kv_disk.get(j)
                 if disk is None:
                     attend = (lambda q, k, v, c=kv_caches[j], m=group.meta:
                               layer.self_attn.attn.forward(q, k, v, c, m))
