@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kvforge.attention.window import AttentionWindow
@@ -120,6 +120,11 @@ class KVCacheManager:
 
     def request_ids(self) -> list[str]:
         return list(self._block_tables)
+
+    def next_step_reserve(self, running: Sequence[Request]) -> int:
+        """Blocks the running requests may take at their next step (a decode: its next block,
+        counted whole): what admitting more work early must leave free."""
+        return sum(cdiv(r.num_remaining_tokens + 1, self.block_size) for r in running)
 
     # ---- changes -------------------------------------------------------------------------
     def match_prefix(self, request: Request) -> MatchResult | None:

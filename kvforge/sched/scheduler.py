@@ -333,17 +333,22 @@ class Scheduler:
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Recompute preemption: drop its KV; it goes back to the front of the waiting queue."""
         self.running.remove(request)
+        self._give_back_kv(request)
+        request.spec_token_ids = []
+        request.num_lookahead_tokens = 0
+        self.waiting.prepend(request)
+        plan.remove(request.request_id)
+        plan.preempted_request_ids.append(request.request_id)
+
+    def _give_back_kv(self, request: Request) -> None:
+        """A preempted (or parked) request's blocks go back: its KV swapped out first where the
+        swapper keeps it, else recomputed on admission."""
         if self.swapper is not None:
             self.swapper.on_preempt(request)     # swap its KV out before the blocks are freed
         self.kv_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.spec_token_ids = []
-        request.num_lookahead_tokens = 0
-        self.waiting.prepend(request)
-        plan.remove(request.request_id)
-        plan.preempted_request_ids.append(request.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         seq_slots_used = self._num_seq_slots_used()
@@ -433,9 +438,9 @@ class Scheduler:
     def _fits_ahead(self, request: Request) -> bool:
         """Its blocks fit beside a reserve for the running requests' next blocks (counted as
         if every block were new: prefix-matched ones may be cached ones, i.e. "free")."""
-        B = self.config.block_size
-        reserve = sum(cdiv(r.num_remaining_tokens + 1, B) for r in self.running)
-        return cdiv(request.num_tokens, B) + reserve <= self.kv_manager.num_free_blocks
+        need = (cdiv(request.num_tokens, self.config.block_size)
+                + self.kv_manager.next_step_reserve(self.running))
+        return need <= self.kv_manager.num_free_blocks
 
     def _prefills_ahead_next(self) -> bool:
         """Whether the next step will prefill a waiting request ahead (room, and the first
@@ -453,12 +458,7 @@ class Scheduler:
             if (request.request_id in self.parked and request is not keep
                     and request.status is RequestStatus.WAITING):
                 del self.parked[request.request_id]
-                if self.swapper is not None:
-                    self.swapper.on_preempt(request)
-                self.kv_manager.free(request.request_id)
-                request.status = RequestStatus.PREEMPTED
-                request.num_computed_tokens = 0
-                request.num_preemptions += 1
+                self._give_back_kv(request)
                 return True
         return False
 

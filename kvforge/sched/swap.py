@@ -246,9 +246,7 @@ class KVSwapper:
         if not self.prefetch_enabled:
             return
         B = self.kv_manager.block_size
-        # the blocks running requests may take next step (a decode: its next block)
-        reserve = sum(cdiv(r.num_remaining_tokens + 1, B) for r in running)
-        budget = self.kv_manager.pool.num_free_blocks - reserve
+        budget = self.kv_manager.pool.num_free_blocks - self.kv_manager.next_step_reserve(running)
         for request in waiting_head:
             rid = request.request_id
             if rid in self._prefetched:

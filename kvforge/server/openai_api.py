@@ -328,6 +328,12 @@ class _Job:
                     self.finished[i] = True
                 yield i, out
 
+    def _count_tokens(self, idx: int, co) -> bool:
+        """Record choice ``idx``'s tokens so far (for usage); whether it got new ones."""
+        grew = len(co.token_ids) > self.completion_tokens.get(idx, 0)
+        self.completion_tokens[idx] = len(co.token_ids)
+        return grew
+
     def _usage(self) -> dict:
         return responses.usage(self.num_prompt_tokens, sum(self.completion_tokens.values()))
 
@@ -379,8 +385,7 @@ class _Job:
         async for i, out in self._merge(streams):
             for co, delta in zip(out.outputs, out.deltas):
                 idx = i * self.n + co.index
-                new_tokens = len(co.token_ids) > self.completion_tokens.get(idx, 0)
-                self.completion_tokens[idx] = len(co.token_ids)
+                new_tokens = self._count_tokens(idx, co)
                 # a token whose text is held back (a special token, a character's first bytes)
                 # still goes out, text "": clients see progress and its logprobs (as vLLM does)
                 if not delta and not co.finished and not new_tokens:
@@ -438,8 +443,7 @@ class _Job:
         #                              finished choice is in its siblings' later outputs too)
         async for _, out in self._merge(streams):
             for co, delta in zip(out.outputs, out.deltas):
-                new_tokens = len(co.token_ids) > self.completion_tokens.get(co.index, 0)
-                self.completion_tokens[co.index] = len(co.token_ids)
+                new_tokens = self._count_tokens(co.index, co)
                 if co.index in done:
                     continue
                 if co.finished:

@@ -5,22 +5,19 @@ import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.engine.request import RequestStatus
-from kvforge.kvcache.kv_manager import KVCacheManager
 from kvforge.sched.config import SchedulerConfig
-from kvforge.sched.scheduler import Scheduler
+from tests.sched import test_scheduler
 from tests.sched.test_scheduler import BLOCK, make_request, scheduled, step
 
 WAITING, RUNNING, PREEMPTED = (RequestStatus.WAITING, RequestStatus.RUNNING,
                                RequestStatus.PREEMPTED)
 
 
-def make_scheduler(num_blocks=20, budget=64, max_num_seqs=1, prefill_ahead=1, policy="fcfs",
-                   prefix_caching=False):
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=64, policy=policy, block_size=BLOCK,
-                             prefill_ahead=prefill_ahead)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK,
-                                            enable_prefix_caching=prefix_caching))
+def make_scheduler(num_blocks=20, max_num_seqs=1, prefill_ahead=1, policy="fcfs"):
+    """test_scheduler's, with one sequence slot and room for requests to grow."""
+    return test_scheduler.make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                         max_model_len=64, policy=policy,
+                                         prefill_ahead=prefill_ahead)
 
 
 def test_config_rejects_bad_prefill_ahead():

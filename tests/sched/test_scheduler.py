@@ -11,10 +11,10 @@ RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
 
 
 def make_scheduler(num_blocks=10, budget=64, max_num_seqs=16, max_model_len=32, chunked=True,
-                   policy="fcfs"):
+                   policy="fcfs", prefill_ahead=0):
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              enable_chunked_prefill=chunked, max_model_len=max_model_len,
-                             policy=policy, block_size=BLOCK)
+                             policy=policy, block_size=BLOCK, prefill_ahead=prefill_ahead)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK))
 
 
