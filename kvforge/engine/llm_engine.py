@@ -290,6 +290,9 @@ class LLMEngine:
         drafter = self.runner.drafter
         if drafter is not None and hasattr(drafter, "check_integrity"):
             drafter.check_integrity(self.runner.num_blocks)
+        check_runner = getattr(self.runner, "check_integrity", None)
+        if check_runner is not None:          # an offloaded runner's disk KV slots
+            check_runner()
 
     @property
     def num_free_blocks(self) -> int:

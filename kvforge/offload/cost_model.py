@@ -137,13 +137,13 @@ def layer_load_s(m: ModelFacts, hw: HardwareCosts) -> float:
 
 def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int,
                   block_batches: int) -> float:
-    """A disk-KV layer's step: read the block's KV, write each batch's current blocks back.
-    A batch's sequences take their blocks together, so its current blocks lie in one span of
-    its own blocks, written as one direct write per plane (K, V): a write's latency plus the
-    span's bytes (at the read rate: the synced-write rate is not what a direct write of a
-    written file sees)."""
-    span = kv_layer_bytes(m, w, batch_size) // 2
-    write = 2 * block_batches * (hw.disk_block_write_s + span / hw.disk_read_bytes_per_s)
+    """A disk-KV layer's step: read the block's KV (a batch's full blocks and its current
+    ones: two vectored reads), and write each batch's current blocks (one per sequence, K and
+    V) to their fresh slots in one vectored write: a write's latency plus those blocks' bytes
+    (at the read rate: the synced-write rate is not what a direct write of a written file
+    sees). kv_slots.py says why the written blocks move."""
+    current = batch_size * w.block_size * m.kv_bytes_per_token_layer
+    write = block_batches * (hw.disk_block_write_s + current / hw.disk_read_bytes_per_s)
     return kv_layer_bytes(m, w, batch_size * block_batches) / hw.disk_read_bytes_per_s + write
 
 

@@ -20,6 +20,7 @@ from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import DiskKVLayer
+from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.layer_timing import time_layer_blocks
 from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
@@ -69,10 +70,12 @@ class OffloadModelRunner(ModelRunner):
         self._kv_buffers = [AlignedBuffer(c.numel() * c.element_size()) for c in self.kv_caches]
         self.kv_caches = [b.tensor[:c.numel() * c.element_size()].view(c.dtype).view(c.shape)
                           for b, c in zip(self._kv_buffers, self.kv_caches)]
+        disk_layers = self.placement.kv_disk_layers
+        slots = DiskSlotMap(self.num_blocks) if disk_layers else None
         self.model.attach_kv_disk({
-            j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), self.num_blocks,
+            j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), slots.capacity,
                            block_shape, self.kv_caches[0].dtype)
-            for j in self.placement.kv_disk_layers})
+            for j in disk_layers}, slots)
         self._kv_dir = kv_dir
         # at shutdown, or at exit for callers that never shut the engine down (kvforge generate)
         self._trace_written = False
@@ -125,12 +128,17 @@ class OffloadModelRunner(ModelRunner):
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies])
         dst = torch.tensor([d for _, d in copies])
+        slot_of = self.model.kv_slots.slot_of if self.model.kv_slots is not None else None
         for j, cache in enumerate(self.kv_caches):
             disk = self.model.kv_disk.get(j)
             if disk is not None:
-                disk.copy_blocks(copies)
+                disk.copy_slots([(slot_of[s], slot_of[d]) for s, d in copies])
             else:
                 cache[:, dst] = cache[:, src]
+
+    def check_integrity(self) -> None:
+        if self.model.kv_slots is not None:
+            self.model.kv_slots.check_integrity()
 
     @property
     def supports_decode_steps(self) -> bool:

@@ -29,8 +29,8 @@ from kvforge.models.base import PagedKVModelMixin
 from kvforge.offload.block_layer import block_layer_forward
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.kv_disk import (BlockReadPlan, DiskKVLayer, plan_block_reads,
-                                      plan_block_writes)
+from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
+from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.policy import Placement
 from kvforge.offload.schedule import group_batches, split_batches, walks_forward, zigzag_order
@@ -44,7 +44,8 @@ class _Batch:
     tokens: tuple[int, int]               # [t0, t1) of the step's tokens
     plan: BlockReadPlan | None = None     # disk-KV layers: staged blocks
     local_meta: AttentionMetadata | None = None
-    write_runs: list[tuple[int, int]] | None = None   # local runs written back (new tokens)
+    # blocks with new tokens: (first fresh slot, local ids) runs, one vectored write each
+    write_runs: list[tuple[int, list[int]]] | None = None
 
 
 @dataclass
@@ -96,6 +97,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         self.loader = StageLoader(store.layer_bytes, placement.slots, placement.overlap,
                                   self.trace)
         self.kv_disk: dict[int, DiskKVLayer] = {}
+        self.kv_slots: DiskSlotMap | None = None
         self.kv_loader: StageLoader | None = None
         self.store_worker: StoreWorker | None = None
         self._head_scheduled = False
@@ -104,9 +106,11 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         # (sequences, seconds) of each all-decode step: the measured decode throughput
         self.decode_steps: list[tuple[int, float]] = []
 
-    def attach_kv_disk(self, layers: dict[int, DiskKVLayer]) -> None:
-        """Disk-KV layers (the runner creates their files once the pool size is known)."""
+    def attach_kv_disk(self, layers: dict[int, DiskKVLayer], slots: DiskSlotMap | None) -> None:
+        """Disk-KV layers (the runner creates their files once the pool size is known) and the
+        slot map they share."""
         self.kv_disk = layers
+        self.kv_slots = slots
         if layers:
             self.kv_loader = StageLoader(1 << 20, KV_STAGING_SLOTS, True, self.trace)
             self.store_worker = StoreWorker(self.trace)
@@ -155,12 +159,20 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 q = meta.query_lens_list[a:b]
                 ctx = ctx_all[a:b]
                 tables = tables_all[a:b]
-                plan = plan_block_reads([x for t in tables for x in t])
-                local = [[plan.local_of[x] for x in t] for t in tables]
+                slot_of = self.kv_slots.slot_of
+                plan = plan_block_reads([slot_of[x] for t in tables for x in t])
+                local = [[plan.local_of[slot_of[x]] for x in t] for t in tables]
                 batch.plan = plan
                 batch.local_meta = AttentionMetadata.build(q, ctx, local, B)
-                batch.write_runs = plan_block_writes(
-                    plan, [t[p // B] for t, c, n in zip(local, ctx, q) for p in range(c, c + n)])
+                # the blocks taking this step's tokens move to fresh slots, one run per batch:
+                # blocks this step fills first, then those that take tokens next step too, so
+                # the next step's move leaves no holes between the batch's full blocks
+                written = list(dict.fromkeys(
+                    t[p // B] for t, c, n in zip(tables, ctx, q) for p in range(c, c + n)))
+                open_ = {t[(c + n - 1) // B] for t, c, n in zip(tables, ctx, q) if (c + n) % B}
+                written.sort(key=lambda x: x in open_)
+                batch.write_runs = [(first, [plan.local_of[slot_of[x]] for x in blocks])
+                                    for first, blocks in self.kv_slots.reserve(written)]
             batches.append(batch)
         groups = []
         ram_kv = len(self.kv_disk) < self.num_layers
@@ -179,6 +191,27 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
         self.loader.drain()          # head chunks of a step that needed no logits
+        if self.kv_slots is None:
+            return self._forward(input_ids, positions, kv_caches, meta)
+        try:
+            hidden = self._forward(input_ids, positions, kv_caches, meta)
+        except BaseException:
+            self._abandon_step()
+            raise
+        self.kv_slots.commit()       # the step's blocks are on disk at their fresh slots
+        return hidden
+
+    def _abandon_step(self) -> None:
+        """A failed step: let its submitted writes land (or fail) and give its fresh slots
+        back, so the blocks keep their pre-step slots, which nothing wrote."""
+        try:
+            self.store_worker.flush()
+        except Exception:           # the step's own error is the one to raise
+            pass
+        self.kv_slots.rollback()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         self._step_start = self.trace.now()
         self._step_seqs = meta.num_seqs if meta.num_decodes == meta.num_seqs else 0
         batches, groups = self._batches(meta)
@@ -241,7 +274,8 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 out[lo:hi] = y
                 self.store_worker.submit(
                     f"kv {j}/{kb}",
-                    lambda b=batch, s=slot: disk.write(b.plan, b.write_runs, s.buffer.view),
+                    lambda b=batch, s=slot: disk.write(b.plan.num_local, b.write_runs,
+                                                      s.buffer.view),
                     lambda s=slot: self.kv_loader.release(s))
             return out
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, write_file
-from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads, plan_block_writes
+from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore, _layout, _raw, layer_tensors
@@ -64,41 +64,57 @@ def test_block_read_plan_coalesces_runs_and_short_gaps():
     assert [plan.local_of[b] for b in (3, 5, 7, 9, 20, 21)] == [0, 2, 4, 6, 7, 8]
 
 
-def test_block_write_plan_joins_written_blocks_through_the_batchs_own_blocks_only():
-    # three sequences of 3 blocks (3..11) whose current blocks are 5, 8, 11; then 20, 21
-    plan = plan_block_reads([3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21])
-    lo = plan.local_of
-    assert plan_block_writes(plan, [lo[5], lo[8], lo[11]]) == [(lo[5], 7)]   # one write
-    assert plan_block_writes(plan, [lo[11], lo[20], lo[21]]) == [(lo[11], 1), (lo[20], 2)]
-    # 6 and 8 are gaps read through (another sequence's or free blocks): never written over
-    gaps = plan_block_reads([5, 7, 9])
-    assert gaps.runs == [(5, 5, 0)]
-    assert plan_block_writes(gaps, [gaps.local_of[b] for b in (5, 7, 9)]) == [
-        (0, 1), (2, 1), (4, 1)]
-    assert plan_block_writes(gaps, []) == []
-
-
-def test_disk_kv_layer_round_trip(tmp_path):
+def test_disk_kv_layer_round_trip_through_slots(tmp_path):
     shape = (16, 2, 32)                       # block of 16 tokens x 2 heads x 32 dims, fp32
-    layer = DiskKVLayer(str(tmp_path / "kv"), num_blocks=40, block_shape=shape,
+    layer = DiskKVLayer(str(tmp_path / "kv"), num_slots=40, block_shape=shape,
                         dtype=torch.float32)
-    assert layer.block_bytes % ALIGN == 0
-    plan = plan_block_reads([2, 3, 30])
+    assert layer.block_bytes % ALIGN == 0 and layer.slot_bytes == 2 * layer.block_bytes
+    plan = plan_block_reads([2, 3, 30])       # slots; 2..3 one run, 30 another
+    assert plan.runs == [(2, 2, 0), (30, 1, 2)]
     buf = AlignedBuffer(layer.staging_bytes(plan))
     staged = layer.staging_view(buf.tensor, plan)
     staged.copy_(torch.randn_like(staged))
     expect = staged.clone()
-    layer.write(plan, plan_block_writes(plan, [plan.local_of[3], plan.local_of[30]]), buf.view)
-    layer.copy_blocks([(30, 31)])
+    # local blocks 1 (slot 3) and 2 (slot 30) go to fresh slots 10, 11 in one vectored write
+    layer.write(plan.num_local, [(10, [plan.local_of[3], plan.local_of[30]])], buf.view)
+    assert layer.bytes_written == 2 * layer.slot_bytes
+    layer.copy_slots([(11, 12)])
+    moved = plan_block_reads([10, 11, 12])
+    buf2 = AlignedBuffer(layer.staging_bytes(moved))
+    layer.read(moved, buf2.view)
+    got = layer.staging_view(buf2.tensor, moved)
+    assert torch.equal(got[:, 0], expect[:, plan.local_of[3]])          # K and V planes both
+    assert torch.equal(got[:, 1], expect[:, plan.local_of[30]])
+    assert torch.equal(got[:, 2], expect[:, plan.local_of[30]])         # the copy
     staged.zero_()
     layer.read(plan, buf.view)
-    assert torch.equal(staged[:, plan.local_of[3]], expect[:, plan.local_of[3]])
-    assert torch.equal(staged[:, plan.local_of[30]], expect[:, plan.local_of[30]])
-    assert not staged[:, plan.local_of[2]].any()          # never written: zeros
-    other = plan_block_reads([31])
-    buf2 = AlignedBuffer(layer.staging_bytes(other))
-    layer.read(other, buf2.view)
-    assert torch.equal(layer.staging_view(buf2.tensor, other)[:, 0], expect[:, plan.local_of[30]])
+    assert not staged.any()                   # slots 2, 3, 30 were never written: zeros
+    layer.close()
+
+
+def test_disk_kv_layer_resumes_a_short_vectored_transfer(tmp_path, monkeypatch):
+    """preadv / pwritev may move fewer bytes than asked: the rest follows at the right place."""
+    shape = (16, 2, 32)
+    layer = DiskKVLayer(str(tmp_path / "kv"), num_slots=8, block_shape=shape,
+                        dtype=torch.float32)
+    plan = plan_block_reads([0, 1, 2])
+    buf = AlignedBuffer(layer.staging_bytes(plan))
+    staged = layer.staging_view(buf.tensor, plan)
+    staged.copy_(torch.randn_like(staged))
+    expect = staged.clone()
+    real_write, real_read = os.pwritev, os.preadv
+
+    def short(real):
+        def op(fd, views, offset):               # at most one page a call
+            return real(fd, [views[0][:ALIGN]], offset)
+        return op
+
+    monkeypatch.setattr(os, "pwritev", short(real_write))
+    layer.write(plan.num_local, [(4, [0, 1, 2])], buf.view)
+    monkeypatch.setattr(os, "preadv", short(real_read))
+    staged.zero_()
+    layer.read(plan_block_reads([4, 5, 6]), buf.view)
+    assert torch.equal(staged, expect)
     layer.close()
 
 

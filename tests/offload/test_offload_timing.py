@@ -41,9 +41,9 @@ def jittered_io(monkeypatch):
         time.sleep(rng.random() * 0.003)
         read(self, slot, stage)
 
-    def slow_write(self, plan, runs, buf):
+    def slow_write(self, num_local, runs, buf):
         time.sleep(rng.random() * 0.003)
-        write(self, plan, runs, buf)
+        write(self, num_local, runs, buf)
 
     monkeypatch.setattr(loader.StageLoader, "_read", slow_read)
     monkeypatch.setattr(kv_disk.DiskKVLayer, "write", slow_write)
@@ -71,6 +71,7 @@ def test_stage_protocol_under_io_jitter(tiny_dir, tmp_path, in_memory_tokens, ji
     for _ in range(2):            # a second generate starts from the first one's last step
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert got == in_memory_tokens
+        llm.engine.check_integrity()
     assert model.loader.outstanding() == 0
     assert model.kv_disk                      # KV went through the disk tier
     llm.engine.shutdown()

@@ -56,6 +56,48 @@ def test_greedy_identical_to_in_memory(tiny_dir, offload_dir, in_memory_tokens, 
         assert len(model.kv_disk) == 4 and not model.resident_layers
         assert model.bytes_written > 0      # KV went to disk and came back
     assert model.store.bytes_read > 0
+    llm.engine.check_integrity()
+    llm.engine.shutdown()
+
+
+def test_prefix_cache_over_disk_slots(tiny_dir, offload_dir):
+    """Cached blocks keep their disk slots while the blocks written around them move: a
+    second round of prompts that share a prefix reads it back from the cache."""
+    shared = "The long history of the robot who lived near the harbour begins"
+    prompts = [shared + s for s in (" with a storm", " on a quiet day", " in the year 2000")]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expect = greedy_in_memory(tiny_dir, prompts, params)
+    llm = LLM(tiny_dir, max_model_len=128, offload_dir=offload_dir,
+              offload_memory_budget="64MiB", offload_policy="w=0,kv=0", offload_batch_size=2,
+              offload_block_batches=2, max_num_batched_tokens=24, enable_prefix_caching=True)
+    slots = llm.engine.runner.model.kv_slots
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expect
+        llm.engine.check_integrity()
+    assert slots.slot_of != list(range(slots.num_blocks))     # written blocks moved
+    assert llm.engine.kv_manager.prefix_cache_stats.hit_tokens > 0
+    llm.engine.shutdown()
+
+
+def test_a_failed_step_leaves_the_blocks_at_their_old_slots(tiny_dir, offload_dir, monkeypatch):
+    llm = offloaded(tiny_dir, offload_dir, offload_policy="w=0,kv=0", offload_batch_size=2,
+                    offload_block_batches=2)
+    model = llm.engine.runner.model
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    before, free = list(model.kv_slots.slot_of), model.kv_slots.num_free
+    layer = model.inner.model.layers[2]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layer 2 failed")
+
+    monkeypatch.setattr(layer.mlp, "forward", broken)
+    llm.engine.add_request("x", PROMPTS[2], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(RuntimeError, match="layer 2 failed"):
+        llm.engine.step()
+    assert model.kv_slots.slot_of == before
+    assert model.kv_slots.num_free == free      # the step's fresh slots were given back
+    model.kv_slots.check_integrity()
     llm.engine.shutdown()
 
 
