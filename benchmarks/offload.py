@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -259,9 +260,12 @@ def main() -> int:
                    help="Accelerate's disk offload makes ~0.2 tok/s here: fewer tokens")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of every system (1: a 2-thread team on a shared 2-core "
-                        "machine waits on whichever core is busy elsewhere)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of every system (default: the physical cores)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="each round runs every system once, in turn; the table shows each "
+                        "system's median round, the ratios are medians of the rounds' ratios "
+                        "(the disk's speed drifts between runs)")
     p.add_argument("--offload-dir", default=os.path.expanduser("~/.cache/kvforge/offload"))
     p.add_argument("--skip-accelerate", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -275,38 +279,55 @@ def main() -> int:
         print("RESULT " + json.dumps(CHILDREN[cfg["kind"]](cfg)), flush=True)
         return 0
 
+    from kvforge.engine.threads import default_num_threads
     from kvforge.loader.source import load_model_source
     model_path = load_model_source(args.model).path
+    threads = args.threads or default_num_threads()
     base = dict(model=model_path, budget=args.budget, max_model_len=args.max_model_len,
-                threads=args.threads, offload_dir=args.offload_dir, batch_size=args.batch_size,
+                threads=threads, offload_dir=args.offload_dir, batch_size=args.batch_size,
                 output_tokens=args.output_tokens)
-    print(hardware_line() + f" | systems run {args.threads} torch thread(s)")
+    print(hardware_line() + f" | systems run {threads} torch thread(s)")
     print(f"model {os.path.basename(model_path)} fp32, budget {args.budget}, "
-          f"{args.prompts} prompts x {args.output_tokens} tokens, batch {args.batch_size}")
+          f"{args.prompts} prompts x {args.output_tokens} tokens, batch {args.batch_size}, "
+          f"{args.rounds} round(s)")
     overhead = run_child(dict(base, kind="runtime"))["peak_rss"]
     budget_bytes = _parse_bytes(args.budget)
-    results: dict[str, dict] = {}
+    systems = {"lp": dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
+                          trace=args.trace),
+               "naive": dict(base, kind="kvforge", policy="naive", prompts=args.naive_prompts)}
+    if not args.skip_accelerate and not args.grid_only:
+        hf_dir = hf_dir_of(model_path, args.offload_dir)
+        for name, evict in (("accelerate (disk)", True), ("accelerate (page cache)", False)):
+            systems[name] = dict(base, kind="accelerate", hf_dir=hf_dir, evict=evict,
+                                 prompts=args.accelerate_prompts,
+                                 output_tokens=args.accelerate_output_tokens)
+    if not args.skip_memory:
+        systems["memory"] = dict(base, kind="kvforge", policy="memory", prompts=args.prompts)
+    rounds: list[dict[str, dict]] = []
     if not args.grid_only:
-        results["lp"] = run_child(dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
-                                       trace=args.trace))
-        results["naive"] = run_child(dict(base, kind="kvforge", policy="naive",
-                                          prompts=args.naive_prompts))
-        if not args.skip_accelerate:
-            hf_dir = hf_dir_of(model_path, args.offload_dir)
-            for name, evict in (("accelerate (disk)", True), ("accelerate (page cache)", False)):
-                results[name] = run_child(dict(base, kind="accelerate", hf_dir=hf_dir,
-                                               evict=evict, prompts=args.accelerate_prompts,
-                                               output_tokens=args.accelerate_output_tokens))
-        if not args.skip_memory:
-            results["memory"] = run_child(dict(base, kind="kvforge", policy="memory",
-                                               prompts=args.prompts))
-        _report(results, overhead, budget_bytes, args)
+        for r in range(args.rounds):
+            rounds.append({name: run_child(cfg) for name, cfg in systems.items()})
+            print(f"round {r + 1}: " + ", ".join(f"{n} {x['tok_s']:.1f}"
+                                                 for n, x in rounds[-1].items()) + " tok/s",
+                  flush=True)
+        _report(rounds, overhead, budget_bytes, args)
     if args.grid or args.grid_only:
-        _grid(base, args, results.get("lp"))
+        _grid(base, args, rounds[0]["lp"] if rounds else None)
     return 0
 
 
-def _report(results: dict, overhead: int, budget: int, args) -> None:
+def _median_round(runs: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r["tok_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _median_ratio(rounds: list[dict[str, dict]], a: str, b: str) -> float:
+    return statistics.median(r[a]["tok_s"] / r[b]["tok_s"] for r in rounds)
+
+
+def _report(rounds: list[dict[str, dict]], overhead: int, budget: int, args) -> None:
+    results = {name: _median_round([r[name] for r in rounds]) for name in rounds[0]}
     mem = results.get("memory")
     rows = []
     for name, r in results.items():
@@ -334,14 +355,18 @@ def _report(results: dict, overhead: int, budget: int, args) -> None:
                   f"{r['disk_weight_bytes'] / 2**20:.0f} MiB of weights offloaded to disk; "
                   f"{r['read_per_forward'] / 2**20:.0f} MiB read from storage per forward "
                   f"({r['forwards']} forwards)")
-    lp, naive = results["lp"], results["naive"]
-    parts = [f"lp {lp['tok_s']:.1f} tok/s = {lp['tok_s'] / naive['tok_s']:.1f}x naive"]
+    lp = results["lp"]
+    for name in results:
+        if name != "lp":
+            print(f"lp / {name} by round: " + ", ".join(
+                f"{r['lp']['tok_s'] / r[name]['tok_s']:.2f}" for r in rounds))
+    parts = [f"lp {lp['tok_s']:.1f} tok/s = {_median_ratio(rounds, 'lp', 'naive'):.1f}x naive"]
     if "accelerate (disk)" in results:
-        parts.append(f"{lp['tok_s'] / results['accelerate (disk)']['tok_s']:.1f}x Accelerate (disk), "
-                     f"{lp['tok_s'] / results['accelerate (page cache)']['tok_s']:.1f}x "
+        parts.append(f"{_median_ratio(rounds, 'lp', 'accelerate (disk)'):.1f}x Accelerate "
+                     f"(disk), {_median_ratio(rounds, 'lp', 'accelerate (page cache)'):.1f}x "
                      f"Accelerate (page cache)")
     if mem is not None:
-        parts.append(f"{lp['tok_s'] / mem['tok_s']:.2f}x in-memory")
+        parts.append(f"{_median_ratio(rounds, 'lp', 'memory'):.2f}x in-memory")
     parts.append(f"peak RSS {lp['peak_rss'] / 2**20:.0f} MiB = started engine "
                  f"{lp['start_rss'] / 2**20:.0f} MiB (runtime {overhead / 2**20:.0f} MiB + "
                  f"skeleton, scheduler) + {(lp['peak_rss'] - lp['start_rss']) / 2**20:.0f} MiB "
@@ -350,10 +375,11 @@ def _report(results: dict, overhead: int, budget: int, args) -> None:
                  f"{lp['decode_tok_s']:.1f} tok/s")
     parts.append(f"overlap {lp['overlap']:.2f}")
     if mem is not None:
-        same = all(r["tokens"] == mem["tokens"][:len(r["tokens"])]
-                   for n, r in results.items() if n in ("lp", "naive"))
+        same = all(r[n]["tokens"] == r["memory"]["tokens"][:len(r[n]["tokens"])]
+                   for r in rounds for n in ("lp", "naive"))
         parts.append(f"greedy identical to in-memory: {'yes' if same else 'NO'}")
-    print(f"SUMMARY offload ({hardware_line()}): " + "; ".join(parts))
+    print(f"SUMMARY offload ({hardware_line()}, {len(rounds)} rounds, medians): "
+          + "; ".join(parts))
 
 
 def _grid(base: dict, args, lp: dict | None) -> None:
