@@ -24,7 +24,7 @@ from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.layer_timing import time_layer_blocks
 from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
-from kvforge.offload.streamed_model import OffloadedLM
+from kvforge.offload.streamed_model import OffloadedLM, bound_heap
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore, store_key
 
@@ -58,6 +58,7 @@ def _numel(shape) -> int:
 class OffloadModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self._max_model_len = max_model_len
+        bound_heap()        # before the engine allocates (streamed_model.bound_heap says why)
         super().__init__(config, source, max_model_len)
         # disk-KV layers: their pool is a file; the RAM tensors of those layers stay untouched
         # (anonymous pages never written cost nothing)
