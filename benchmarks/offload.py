@@ -19,8 +19,7 @@ reads the disk, the later ones RAM at page-cache speed). Both start with a cold 
 ``--grid`` also measures decode tok/s over block sizes and placements (explicit policies) and
 reports the LP's choice against the best of them.
 
-    flock /work/bench.lock .venv/bin/python benchmarks/offload.py                 # ~6 min
-    flock /work/bench.lock .venv/bin/python benchmarks/offload.py --grid --prompts 128
+    .venv/bin/python benchmarks/offload.py --rounds 3 --grid      # ~6 min on 2 cores, quiet box
 """
 from __future__ import annotations
 
@@ -257,7 +256,7 @@ def main() -> int:
     p.add_argument("--naive-prompts", type=int, default=16)
     p.add_argument("--accelerate-prompts", type=int, default=8)
     p.add_argument("--accelerate-output-tokens", type=int, default=4,
-                   help="Accelerate's disk offload makes ~0.2 tok/s here: fewer tokens")
+                   help="tokens per Accelerate prompt (it makes ~1 tok/s on the 1.5B model: fewer tokens)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=None,
