@@ -45,6 +45,11 @@ def validate_offload_args(config) -> None:
     if config.speculative_method not in (None, "none"):
         raise ValueError(f"offloading does not combine with speculative decoding "
                          f"({config.speculative_method!r})")
+    if config.preemption_mode != "recompute":
+        # swapping copies the RAM pools; a disk-KV layer's blocks live in its disk file
+        raise ValueError(f"offloading preempts by recompute (its disk-KV layers' blocks are "
+                         f"not in the RAM pools a swap copies); got preemption_mode="
+                         f"{config.preemption_mode!r}")
     if config.quantization not in ("auto", "none", None, ""):
         raise ValueError(f"offloading streams fp32 weights (quantization 'none'); got "
                          f"quantization={config.quantization!r}")

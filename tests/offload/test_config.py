@@ -27,6 +27,7 @@ def test_offload_off_by_default_and_on_with_a_budget(tmp_path):
     (dict(offload_memory_budget="1GiB", quantization="int8"), "quantization='int8'"),
     (dict(offload_memory_budget="1GiB", speculative_method="ngram"), "speculative"),
     (dict(offload_memory_budget="1GiB", tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(offload_memory_budget="1GiB", preemption_mode="swap"), "preemption_mode='swap'"),
 ])
 def test_bad_offload_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
