@@ -373,7 +373,10 @@ void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
           dequantize_row(shards.type[s], shards.format[s], shards.row(s, n), k, scratch,
                          wp + (n - t0) * k);
       });
-      y.narrow(1, t0, t1 - t0).copy_(at::mm(x, w.t()));
+      // straight into y's columns (a strided C the GEMM writes with its leading dimension):
+      // a temporary and a copy per tile cost 2.5% of a 512-token prefill of the 1.5B model
+      at::Tensor out = y.narrow(1, t0, t1 - t0);
+      at::mm_out(out, x, w.t());
     }
   }
 }
