@@ -125,6 +125,17 @@ def test_an_outlier_channel_coarsens_only_its_own_32_block(compiled, qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_k_quant_rows_dequantize_to_gguf_pys_float32_bits(compiled, qtype):
+    """Q4_K / Q6_K rows go to fp32 in registers (the prefill tiles' and embeddings' path): the
+    same float32 products and sums as gguf-py's dequantizer, bit for bit."""
+    raw = random_blocks(qtype, 33, 1024, seed=7)
+    got = compiled.gguf_dequantize(torch.from_numpy(raw), int(qtype), 1024, None)
+    expect = torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, qtype), np.float32))
+    assert torch.equal(got, expect.view(33, 1024))
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + FLOATS, ids=lambda t: t.name)
 def test_many_rows_and_dequantize_match_the_reference(compiled, qtype):
     """More rows than one pass of the dot kernels (a prefill chunk): block types run passes of
