@@ -1,6 +1,7 @@
 """An offloaded engine fixes glibc's mmap threshold before it allocates: a large block freed
 then no longer moves the threshold up, so later activations of that size are mapped on their
 own (and unmapped when freed) instead of fragmenting the heap above the memory budget."""
+import os
 import subprocess
 import sys
 
@@ -30,8 +31,11 @@ print("mmapped" if size_word & 2 else "heap")
 
 @pytest.mark.parametrize("mode, where", [("bound", "mmapped"), ("free", "heap")])
 def test_a_2_mib_block_after_a_16_mib_free(mode, where):
+    # glibc's own malloc with its defaults (no tunables, no preloaded allocator)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     assert out.stdout.strip() == where
 
 
