@@ -10,6 +10,7 @@ import time
 import torch
 
 ALIGN = 4096          # O_DIRECT wants buffer, offset and length aligned to the logical block
+IOV_MAX = 1024        # buffers one preadv / pwritev takes (Linux's UIO_MAXIOV)
 
 
 def align_up(n: int, to: int = ALIGN) -> int:
@@ -46,6 +47,27 @@ def open_direct(path: str, writable: bool = False) -> tuple[int, bool]:
         return os.open(path, mode), False
 
 
+def transfer(op, fd: int, views: list[memoryview], offset: int, path: str,
+             direct: bool) -> None:
+    """Move ``views`` (in file order) with one vectored ``os.preadv`` / ``os.pwritev`` from
+    ``offset`` (in IOV_MAX pieces), resumed where a short transfer stopped; a buffered
+    descriptor's pages are then dropped from the page cache."""
+    total = sum(len(v) for v in views)
+    pos = offset
+    while views:
+        n = op(fd, views[:IOV_MAX], pos)
+        if n <= 0:
+            raise OSError(f"short I/O on {path} at {pos}: file truncated?")
+        pos += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if n:
+            views = [views[0][n:]] + views[1:]
+    if not direct:
+        os.posix_fadvise(fd, offset, total, os.POSIX_FADV_DONTNEED)
+
+
 class DiskFile:
     """One file of the disk tier, read into aligned buffers at aligned offsets."""
 
@@ -56,16 +78,8 @@ class DiskFile:
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` (aligned, length a multiple of ALIGN) from ``offset`` (aligned)."""
-        want = len(buf)
-        done = 0
-        while done < want:
-            n = os.preadv(self.fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"short read of {self.path} at {offset + done}: file truncated?")
-            done += n
-        self.bytes_read += want
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, want, os.POSIX_FADV_DONTNEED)
+        transfer(os.preadv, self.fd, [buf], offset, self.path, self.direct)
+        self.bytes_read += len(buf)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.offload.direct_io import ALIGN, AlignedBuffer, open_direct
+from kvforge.offload.direct_io import ALIGN, AlignedBuffer, open_direct, transfer
 
 MAX_GAP_BLOCKS = 2        # read through gaps this short instead of issuing another read
 
@@ -49,9 +49,6 @@ def plan_block_reads(slots: list[int], max_gap: int = MAX_GAP_BLOCKS) -> BlockRe
         for i in range(count):
             local_of[first + i] = l0 + i
     return BlockReadPlan(runs, local, local_of)
-
-
-IOV_MAX = 1024            # buffers one preadv / pwritev takes (Linux's UIO_MAXIOV)
 
 
 class DiskKVLayer:
@@ -115,22 +112,7 @@ class DiskKVLayer:
             self._io(os.pwritev, [view], dst * self.slot_bytes)
 
     def _io(self, op, views: list[memoryview], offset: int) -> None:
-        """One vectored transfer of ``views`` from ``offset`` (in IOV_MAX pieces), resumed
-        where a short transfer stopped."""
-        total = sum(len(v) for v in views)
-        pos = offset
-        while views:
-            n = op(self.fd, views[:IOV_MAX], pos)
-            if n <= 0:
-                raise OSError(f"short I/O on {self.path} at {pos}")
-            pos += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views = views[1:]
-            if n:
-                views = [views[0][n:]] + views[1:]
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, total, os.POSIX_FADV_DONTNEED)
+        transfer(op, self.fd, views, offset, self.path, self.direct)
 
     def close(self) -> None:
         os.close(self.fd)
