@@ -49,7 +49,7 @@ def column_block(source: ModelSource, quantization: str) -> int:
     weights): the unit the plan cuts the intermediate size in."""
     if quantization != "gguf":
         return 1
-    return max((block_columns(t.tensor_type.name) for t in source._reader.tensors
+    return max((block_columns(t.tensor_type.name) for t in source.gguf_reader().tensors
                 if t.name.endswith("ffn_down.weight")), default=1)
 
 

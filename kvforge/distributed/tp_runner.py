@@ -66,15 +66,16 @@ def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
     return mode == "shm"
 
 
-def _shared_choices(quantization: str) -> dict[str, str]:
+def _shared_choices(quantization: str, source: ModelSource) -> dict[str, str]:
     """What every rank must choose alike, chosen once here and handed to the workers as
-    environment: the rows from which GGUF blocks multiply as fp32 tiles (measured per
-    machine, kernels/gguf_tiles.py; two ranks measuring at once could disagree, and a rank
-    on the other path would round its partial sums differently from run to run)."""
+    environment: the rows from which the model's GGUF block types multiply as fp32 tiles
+    (measured per machine and type, kernels/gguf_tiles.py; two ranks measuring at once could
+    disagree, and a rank on the other path would round its partial sums differently from run
+    to run)."""
     if quantization != "gguf":
         return {}
-    from kvforge.kernels.gguf_tiles import gemm_min_rows
-    return {"KVFORGE_GGUF_GEMM_ROWS": str(gemm_min_rows())}
+    from kvforge.kernels.gguf_tiles import shared_env
+    return shared_env(t.tensor_type.name for t in source.gguf_reader().tensors)
 
 
 class TensorParallelGroup:
@@ -217,7 +218,7 @@ class TensorParallelModelRunner(ModelRunner):
             config.quantization, source, config.torch_dtype, config.device)
         self.tp = TensorParallelGroup(
             config, config.max_num_batched_tokens * source.config.hidden_size * 4,
-            worker_env=_shared_choices(self._quantization))
+            worker_env=_shared_choices(self._quantization, source))
         try:
             super().__init__(config, source, max_model_len)
             # rank 0 holds the most KV heads (the first ranks take the uneven ones), so the

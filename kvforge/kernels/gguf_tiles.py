@@ -1,19 +1,28 @@
 """From how many activation rows a GGUF projection takes fp32 weight tiles + ATen's GEMM instead
-of the integer dot kernels (``GgufWeight(..., gemm_min_rows=N)``; docs/gguf_native.md).
+of the integer dot kernels (``GgufWeight(..., gemm_min_rows=N)``; docs/gguf_native.md), per
+block type and machine.
 
-A long prefill chunk multiplies every weight block by hundreds of rows. The integer kernels pay
-for activation rounding and per-block scale work on every row; fp32 tiles pay for decoding each
-block once and then run ATen's GEMM. Which wins depends on the machine: with MKL on Intel the
-GEMM runs near the FMA peak and the tiles are 1.2-1.7x faster at 512 rows (AVX2 code paths,
-Qwen2.5-1.5B Q4_K and SmolLM2 Q4_1 shapes); on the AMD CPU the integer kernels were tuned on,
-MKL's GEMM is slow and the tiles lost at every row count. So the crossover is measured once per
-machine (a synthetic Q4_K weight, both paths alternated) and cached like the fp32 kernel plans
-(kernels/tune.py).
+A prefill chunk multiplies every weight block by many rows. The integer kernels pay for
+activation rounding and per-block scale work on every row; fp32 tiles pay for decoding each
+block once and then run ATen's GEMM. Which wins depends on the machine and on the block type:
 
-``KVFORGE_GGUF_GEMM_ROWS=N`` sets it (0: integer kernels at every row count); with tuning off
-(``KVFORGE_TUNE=0``, the test suite) it is 0, so every row count gets the integers a row gets
-alone unless asked. Tiles change a prefill chunk's numbers (fp32 activations instead of 8-bit
-ones: closer to the dequantized reference, but not what the same rows get in smaller chunks).
+- the machine: with MKL on Intel the GEMM runs near the FMA peak; on the AMD CPU the integer
+  kernels were tuned on, MKL's GEMM is slow and the tiles lost at every row count;
+- the type: the 32-weight formats (Q4_0, Q4_1, Q5_*, Q8_0) convert and scale a float per 32
+  weights per row, the K-quants once per 256, so their integer kernels run about half as fast
+  and the tiles overtake them at far fewer rows (SmolLM2's Q4_1 on an Intel Xeon with MKL held
+  to AVX2: from ~50 rows, 1.5x at 200; a Q4_K weight: from ~256-512).
+
+So the crossover is measured once per machine and type the first time a model uses the type
+(a synthetic weight of that type, both paths alternated at growing row counts) and cached like
+the fp32 kernel plans (kernels/tune.py).
+
+``KVFORGE_GGUF_GEMM_ROWS`` sets it: ``N`` for every type (0: integer kernels at every row
+count), or per type, ``Q4_K=256,Q6_K=0``, with an optional bare ``N`` for the types not named
+(the rest are measured). With tuning off (``KVFORGE_TUNE=0``, the test suite) an unset type is
+0, so every row count gets the integers a row gets alone unless asked. Tiles change a prefill
+chunk's numbers (fp32 activations instead of 8-bit ones: closer to the dequantized reference,
+but not what the same rows get in smaller chunks).
 """
 from __future__ import annotations
 
@@ -21,59 +30,97 @@ import functools
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvforge.kernels.isa import cpu_model_name
 
 ENV_VAR = "KVFORGE_GGUF_GEMM_ROWS"
-CANDIDATE_ROWS = (256, 512)      # chunk sizes tried, smallest first (prefill chunks: 512 default)
+# row counts tried, smallest first: the first where the tiles win is the crossover (prefill
+# chunks are 512 rows by default; steps of ~1.5x keep the chosen row within that of the best)
+CANDIDATE_ROWS = (32, 48, 64, 96, 128, 192, 256, 384, 512)
 WIN_MARGIN = 1.10                # the tiles must be this much faster at a row count to take it
-_Q4_K = 12                       # GGMLQuantizationType.Q4_K
-_Q4_K_BYTES = 144                # bytes per 256 weights
+# the block types the integer kernels run (float shards take tiles above 64 rows anyway)
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# byte offsets of each K-quant block's fp16 scales (every other byte may be anything)
+_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# the synthetic weight the crossover is timed on (a 1.5B model's projection size)
+_TUNE_SHAPE = (1024, 1536)
 
 
-def _env_rows() -> int | None:
-    value = os.environ.get(ENV_VAR, "").strip()
-    if not value:
-        return None
+def synthetic_blocks(type_name: str, rows: int, in_features: int, seed: int = 0,
+                     scales: tuple[float, float] = (1e-3, 1e-2)) -> np.ndarray:
+    """uint8 [rows, row bytes] of valid ``type_name`` blocks: gguf-py's quantizer on random
+    normal values for the 32-weight formats, random bytes with finite fp16 scales (drawn from
+    ``scales``) for the K-quants, which gguf-py does not quantize (random bytes alone would hold
+    NaN / inf scales)."""
+    from gguf import quants
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name not in _K_SCALE_OFFSETS:
+        w = rng.standard_normal((rows, in_features)).astype(np.float32)
+        return quants.quantize(w, qtype).view(np.uint8).reshape(rows, -1)
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * in_features // block_weights, block_bytes),
+                          dtype=np.uint8)
+    for offset in _K_SCALE_OFFSETS[type_name]:
+        scale = rng.uniform(*scales, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _parse_rows(text: str, entry: str) -> int:
     try:
-        rows = int(value)
+        rows = int(text)
     except ValueError:
         rows = -1
     if rows < 0:
-        raise ValueError(f"{ENV_VAR}={value!r}: use a row count >= 0 (0: never use fp32 tiles)")
+        raise ValueError(f"{ENV_VAR} entry {entry!r}: use a row count >= 0 (0: never use fp32 "
+                         "tiles), as N or TYPE=N")
     return rows
 
 
-def _cache_file(threads: int) -> Path:
+def _env_rows() -> tuple[int | None, dict[str, int]]:
+    """(rows for every type not named or None, {type: rows}) from the environment."""
+    default, per_type = None, {}
+    for entry in filter(None, (e.strip() for e in os.environ.get(ENV_VAR, "").split(","))):
+        name, sep, value = entry.partition("=")
+        if not sep:
+            default = _parse_rows(entry, entry)
+            continue
+        name = name.strip().upper()
+        if name not in BLOCK_TYPES:
+            raise ValueError(f"{ENV_VAR} entry {entry!r}: {name!r} is not a GGUF block type "
+                             f"the integer kernels run ({', '.join(BLOCK_TYPES)})")
+        per_type[name] = _parse_rows(value.strip(), entry)
+    return default, per_type
+
+
+def _cache_file(threads: int, type_name: str) -> Path:
     from kvforge.kernels.tune import _machine_key, cache_file
     # the fp32 kernel plans' key (CPU, kernel build, torch, threads) and what changes ATen's
     # GEMM without changing the CPU
     key = dict(_machine_key(threads), mkl=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
-               onednn=os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+               onednn=os.environ.get("ONEDNN_MAX_CPU_ISA", ""), type=type_name)
     return cache_file("gguf-gemm-rows", key)
 
 
-def synthetic_q4_k(rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Random Q4_K rows with finite, small scales (random bytes would give NaN / inf fp16s)."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, in_features // 256, _Q4_K_BYTES), dtype=np.uint8)
-    scales = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)    # d, dmin
-    blocks[:, :, :4] = scales
-    return torch.from_numpy(blocks.reshape(rows, -1))
-
-
-def measure_gemm_min_rows(ops, out_features: int = 2048, in_features: int = 1536,
+def measure_gemm_min_rows(ops, type_name: str, shape: tuple[int, int] = _TUNE_SHAPE,
                           reps: int = 3) -> int:
-    """The smallest of CANDIDATE_ROWS where tiles beat the integer kernels by WIN_MARGIN (best
-    of ``reps`` alternated calls each), or 0."""
-    raw = synthetic_q4_k(out_features, in_features)
-    integer = ops.GgufWeight([raw], [_Q4_K], in_features, gemm_min_rows=0)
-    tiles = ops.GgufWeight([raw], [_Q4_K], in_features, gemm_min_rows=1)
-    for rows in CANDIDATE_ROWS:
+    """The smallest of CANDIDATE_ROWS from which tiles beat the integer kernels on a
+    ``type_name`` weight by WIN_MARGIN at that and every larger candidate (best of ``reps``
+    alternated calls each: one noisy win below the real crossover does not move it), or 0."""
+    out_features, in_features = shape
+    raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
+    type_id = int(GGMLQuantizationType[type_name])
+    integer = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0)
+    tiles = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1)
+    crossover = 0
+    for rows in reversed(CANDIDATE_ROWS):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         best = {"integer": float("inf"), "tiles": float("inf")}
         integer.linear(x), tiles.linear(x)                    # warm: first-touch, thread pool
@@ -82,36 +129,76 @@ def measure_gemm_min_rows(ops, out_features: int = 2048, in_features: int = 1536
                 start = time.perf_counter()
                 w.linear(x)
                 best[name] = min(best[name], time.perf_counter() - start)
-        if best["integer"] >= WIN_MARGIN * best["tiles"]:
-            return rows
-    return 0
+        if best["integer"] < WIN_MARGIN * best["tiles"]:
+            break
+        crossover = rows
+    return crossover
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(threads: int) -> int:
+def _measured(threads: int, type_name: str) -> int:
+    try:
+        return int(json.loads(_cache_file(threads, type_name).read_text())["gemm_min_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _measure_and_store(threads, type_name)
+
+
+def _measure_and_store(threads: int, type_name: str) -> int:
     from kvforge.kernels import cpu_kernels
     ops = cpu_kernels()
     if ops is None:
         return 0
-    path = _cache_file(threads)
-    try:
-        return int(json.loads(path.read_text())["gemm_min_rows"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    rows = measure_gemm_min_rows(ops)
+    rows = measure_gemm_min_rows(ops, type_name)
+    path = _cache_file(threads, type_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"gemm_min_rows": rows, "cpu": cpu_model_name()}))
+    tmp.write_text(json.dumps({"gemm_min_rows": rows, "type": type_name,
+                               "cpu": cpu_model_name()}))
     tmp.replace(path)
     return rows
 
 
-def gemm_min_rows() -> int:
-    """Rows from which GGUF projections take fp32 tiles on this machine (0: never)."""
-    rows = _env_rows()
-    if rows is not None:
-        return rows
+def retune(type_names: Iterable[str]) -> dict[str, int]:
+    """Time the crossover of each block type in ``type_names`` again and cache it (``kvforge
+    tune``); {type: rows}."""
+    names = sorted({n for n in type_names if n in BLOCK_TYPES})
+    result = {n: _measure_and_store(torch.get_num_threads(), n) for n in names}
+    _measured.cache_clear()
+    return result
+
+
+def gemm_min_rows(type_name: str) -> int:
+    """Rows from which a projection of ``type_name`` blocks takes fp32 tiles on this machine
+    (0: never)."""
+    if type_name not in BLOCK_TYPES:
+        raise ValueError(f"{type_name!r} is not a GGUF block type the integer kernels run "
+                         f"({', '.join(BLOCK_TYPES)})")
+    default, per_type = _env_rows()
+    if type_name in per_type:
+        return per_type[type_name]
+    if default is not None:
+        return default
     from kvforge.kernels.tune import tuning_enabled
     if not tuning_enabled():
         return 0
-    return _measured(torch.get_num_threads())
+    return _measured(torch.get_num_threads(), type_name)
+
+
+def shard_gemm_min_rows(type_names: Iterable[str], rows: Iterable[int]) -> int:
+    """The crossover for a projection whose shards (one type each, ``rows`` output rows each)
+    switch paths together: the crossover of the type with the most rows (Q4_K_M files put a
+    Q6_K ``v`` beside Q4_K ``q`` and ``k``). Float shards do not vote."""
+    votes: dict[str, int] = {}
+    for name, n in zip(type_names, rows):
+        if name in BLOCK_TYPES:
+            votes[name] = votes.get(name, 0) + n
+    if not votes:
+        return 0
+    return gemm_min_rows(max(votes, key=votes.__getitem__))
+
+
+def shared_env(type_names: Iterable[str]) -> dict[str, str]:
+    """The environment that gives another process (a tensor-parallel worker) this process's
+    crossovers for ``type_names`` without timing them again."""
+    names = sorted({n for n in type_names if n in BLOCK_TYPES})
+    return {ENV_VAR: ",".join(f"{n}={gemm_min_rows(n)}" for n in names) or "0"}

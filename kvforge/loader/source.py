@@ -35,11 +35,18 @@ class ModelSource:
         if self.format not in ("gguf", "hf"):
             raise ValueError(f"model format must be 'gguf' or 'hf', got {self.format!r}")
 
+    def gguf_reader(self) -> gguf_loader.GGUFFile:
+        """The GGUF file's reader, opened once and kept (its tensors map the file)."""
+        if self.format != "gguf":
+            raise ValueError(f"{self.path!r} is a {self.format} model, not a GGUF file")
+        if self._reader is None:
+            self._reader = gguf_loader.open_gguf(self.path)
+        return self._reader
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs; float32, or the file's float16/bfloat16."""
         if self.format == "gguf":
-            reader = self._reader if self._reader is not None else gguf_loader.open_gguf(self.path)
-            return self.select_weights(gguf_loader.iter_gguf_weights(reader))
+            return self.select_weights(gguf_loader.iter_gguf_weights(self.gguf_reader()))
         return self.select_weights(hf_loader.iter_hf_weights(self.path))
 
     def select_weights(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from kvforge.kernels import cpu_kernels
-from kvforge.kernels.gguf_tiles import gemm_min_rows
+from kvforge.kernels.gguf_tiles import shard_gemm_min_rows
 from kvforge.layers.linear import Linear, LinearMethod
 from kvforge.loader import gguf_loader
 from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_quantization
@@ -123,8 +123,9 @@ def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
     ``GgufWeight`` over their raw bytes, or without the kernels their fp32 rows (gguf-py)."""
     ops = cpu_kernels()
     if ops is not None:
+        rows = shard_gemm_min_rows([b.type_name for b in blocks], [b.raw.shape[0] for b in blocks])
         return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features,
-                              gemm_min_rows=gemm_min_rows())
+                              gemm_min_rows=rows)
     return torch.cat([b.dequantize() for b in blocks])
 
 
@@ -281,5 +282,4 @@ class GGUFConfig(QuantizationConfig):
         if source.format != "gguf":
             raise ValueError(f"--quantization gguf runs a GGUF file's own blocks; "
                              f"{source.path!r} is a {source.format} model (use int4 or int8)")
-        reader = source._reader if source._reader is not None else gguf_loader.open_gguf(source.path)
-        return source.select_weights(iter_gguf_block_weights(reader))
+        return source.select_weights(iter_gguf_block_weights(source.gguf_reader()))

@@ -183,8 +183,7 @@ def save_quantized(model: torch.nn.Module, source, out_dir: str) -> str:
     state, in_features = quantized_state_dict(model)
     os.makedirs(out_dir, exist_ok=True)
     if source.format == "gguf":
-        reader = source._reader or gguf_loader.open_gguf(source.path)
-        hf_config = gguf_loader.gguf_to_hf_config(reader)
+        hf_config = gguf_loader.gguf_to_hf_config(source.gguf_reader())
     else:
         hf_config = hf_loader.read_hf_config(source.path)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:

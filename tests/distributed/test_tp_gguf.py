@@ -105,13 +105,19 @@ def test_ranks_get_the_drivers_tile_crossover(kquant_gguf, monkeypatch):
 
     def choices(config: EngineConfig) -> dict[str, str]:
         return _shared_choices(tensor_parallel_quantization(
-            config.quantization, source, config.torch_dtype, config.device))
+            config.quantization, source, config.torch_dtype, config.device), source)
 
+    from kvforge.kernels.gguf_tiles import BLOCK_TYPES
+    types = sorted({t.tensor_type.name for t in source.gguf_reader().tensors} & set(BLOCK_TYPES))
+    assert "Q4_K" in types, "the fixture holds K-quant blocks"
     monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "96")
     config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2)
-    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": "96"}
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=96" for t in types)}
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "Q6_K=48,96")
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(
+        f"{t}={48 if t == 'Q6_K' else 96}" for t in types)}
     monkeypatch.delenv("KVFORGE_GGUF_GEMM_ROWS")
     monkeypatch.setenv("KVFORGE_TUNE", "0")
-    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": "0"}
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=0" for t in types)}
     float_config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2, quantization="none")
     assert choices(float_config) == {}

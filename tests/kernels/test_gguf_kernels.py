@@ -5,31 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from kvforge.kernels.gguf_tiles import synthetic_blocks
 from tests.kernels.test_cpu_kernels import compiled, needs_kernels  # noqa: F401 (fixture)
 
 LEGACY = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]     # gguf-py quantizes these
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]                  # random but valid blocks
 FLOATS = [T.F32, T.F16, T.BF16]
-# byte offsets of each K-quant block's fp16 scales (the rest may be any bytes)
-_K_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
 
 def random_blocks(qtype, n: int, k: int, seed: int = 0, scales=(1e-3, 1e-2)) -> np.ndarray:
-    """uint8 [n, row_bytes] of valid blocks: gguf-py's quantizer where it has one, else random
-    bytes with sane fp16 scales (drawn from ``scales``)."""
-    rng = np.random.default_rng(seed)
-    if qtype in LEGACY or qtype in (T.F32, T.F16, T.BF16):
-        w = rng.standard_normal((n, k)).astype(np.float32)
+    """uint8 [n, row_bytes] of valid blocks (gguf_tiles.synthetic_blocks; floats by gguf-py)."""
+    if qtype in (T.F32, T.F16, T.BF16):
+        w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
         return quants.quantize(w, qtype).view(np.uint8).reshape(n, -1)
-    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n * k // block_weights, block_bytes), dtype=np.uint8)
-    for offset in _K_SCALE_OFFSETS[qtype]:
-        scale = rng.uniform(*scales, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n, -1)
+    return synthetic_blocks(qtype.name, n, k, seed=seed, scales=scales)
 
 
 def reference_weight(raw: np.ndarray, qtype) -> np.ndarray:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -35,43 +37,76 @@ def test_tiles_from_gemm_min_rows_on_and_integers_below(compiled, qtype):
         compiled.GgufWeight([raw], [int(qtype)], k, gemm_min_rows=-1)
 
 
-def test_env_sets_the_rows_and_bad_values_are_named(monkeypatch):
+def test_env_sets_the_rows_per_type_and_bad_values_are_named(monkeypatch):
     monkeypatch.setenv(gguf_tiles.ENV_VAR, "384")
-    assert gguf_tiles.gemm_min_rows() == 384
+    assert gguf_tiles.gemm_min_rows("Q4_K") == gguf_tiles.gemm_min_rows("Q4_1") == 384
     monkeypatch.setenv(gguf_tiles.ENV_VAR, "0")
-    assert gguf_tiles.gemm_min_rows() == 0
-    for bad in ("-3", "many"):
+    assert gguf_tiles.gemm_min_rows("Q4_K") == 0
+    # per type, a bare number for the types not named
+    monkeypatch.setenv(gguf_tiles.ENV_VAR, "q4_1=48, Q6_K=0, 512")
+    assert gguf_tiles.gemm_min_rows("Q4_1") == 48
+    assert gguf_tiles.gemm_min_rows("Q6_K") == 0
+    assert gguf_tiles.gemm_min_rows("Q4_K") == 512
+    for bad in ("-3", "many", "Q4_1=-1", "Q4_1=x", "IQ2_XS=64", "F16=64"):
         monkeypatch.setenv(gguf_tiles.ENV_VAR, bad)
-        with pytest.raises(ValueError, match=bad):
-            gguf_tiles.gemm_min_rows()
-    monkeypatch.delenv(gguf_tiles.ENV_VAR)
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            gguf_tiles.gemm_min_rows("Q4_K")
+    with pytest.raises(ValueError, match="F32"):
+        gguf_tiles.gemm_min_rows("F32")
+    monkeypatch.setenv(gguf_tiles.ENV_VAR, "Q4_1=48")
     monkeypatch.setenv("KVFORGE_TUNE", "0")                # the suite's setting: integers only
-    assert gguf_tiles.gemm_min_rows() == 0
+    assert gguf_tiles.gemm_min_rows("Q4_K") == 0           # unset types: not measured
+    assert gguf_tiles.gemm_min_rows("Q4_1") == 48
+    monkeypatch.delenv(gguf_tiles.ENV_VAR)
+    assert gguf_tiles.gemm_min_rows("Q4_1") == 0
+
+
+def test_a_projection_takes_the_crossover_of_its_largest_block_type(monkeypatch):
+    monkeypatch.setenv(gguf_tiles.ENV_VAR, "Q4_K=256,Q6_K=512,Q4_1=48")
+    # a Q4_K_M qkv: q and k Q4_K, v Q6_K
+    assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q4_K", "Q6_K"], [1536, 256, 256]) == 256
+    assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q6_K"], [256, 1536]) == 512
+    # float shards do not vote; all-float projections never take these tiles
+    assert gguf_tiles.shard_gemm_min_rows(["F32", "Q4_1"], [4096, 8]) == 48
+    assert gguf_tiles.shard_gemm_min_rows(["F16"], [4096]) == 0
+    # what a tensor-parallel worker gets: the same numbers, named
+    assert gguf_tiles.shared_env(["Q6_K", "F32", "Q4_K", "Q4_K"]) == {
+        gguf_tiles.ENV_VAR: "Q4_K=256,Q6_K=512"}
+    assert gguf_tiles.shared_env(["F32"]) == {gguf_tiles.ENV_VAR: "0"}
 
 
 @needs_kernels
-def test_measured_choice_is_one_of_the_candidates_and_cached(compiled, monkeypatch, tmp_path):
+def test_measured_choice_is_one_of_the_candidates_and_cached_per_type(compiled, monkeypatch,
+                                                                      tmp_path):
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(gguf_tiles.ENV_VAR, raising=False)
     monkeypatch.setenv("KVFORGE_TUNE", "1")
     gguf_tiles._measured.cache_clear()
     try:
-        rows = gguf_tiles.gemm_min_rows()
-        assert rows in (0, *gguf_tiles.CANDIDATE_ROWS)
-        (cached,) = (tmp_path / "tune").glob("gguf-gemm-rows-*.json")
-        assert json.loads(cached.read_text())["gemm_min_rows"] == rows
-        # a later process reads the file instead of timing again
-        cached.write_text(json.dumps({"gemm_min_rows": 512}))
+        rows = {t: gguf_tiles.gemm_min_rows(t) for t in ("Q4_1", "Q4_K")}
+        for t, r in rows.items():
+            assert r in (0, *gguf_tiles.CANDIDATE_ROWS), t
+        cached = {json.loads(p.read_text())["type"]: p
+                  for p in (tmp_path / "tune").glob("gguf-gemm-rows-*.json")}
+        assert set(cached) == {"Q4_1", "Q4_K"}
+        for t, path in cached.items():
+            assert json.loads(path.read_text())["gemm_min_rows"] == rows[t]
+        # a later process reads the files instead of timing again
+        cached["Q4_1"].write_text(json.dumps({"gemm_min_rows": 96}))
         gguf_tiles._measured.cache_clear()
-        assert gguf_tiles.gemm_min_rows() == 512
+        assert gguf_tiles.gemm_min_rows("Q4_1") == 96
+        assert gguf_tiles.gemm_min_rows("Q4_K") == rows["Q4_K"]
     finally:
         gguf_tiles._measured.cache_clear()
 
 
-def test_synthetic_weight_has_finite_scales():
-    raw = gguf_tiles.synthetic_q4_k(4, 512)
-    assert raw.shape == (4, 2 * 144)
-    blocks = raw.numpy().reshape(4, 2, 144)
-    scales = blocks[:, :, :4].copy().view("float16")
-    assert (scales[..., 0] == torch.tensor(0.01).half().item()).all()
-    assert torch.isfinite(torch.from_numpy(scales.astype("float32"))).all()
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_synthetic_blocks_decode_to_finite_values(qtype):
+    from gguf import quants
+    raw = gguf_tiles.synthetic_blocks(qtype, 4, 512, seed=3)
+    values = quants.dequantize(raw, T[qtype])
+    assert values.shape == (4, 512)
+    assert np.isfinite(values).all() and np.abs(values).max() > 0
+    # seeded: the same bytes again, other bytes for another seed
+    assert (gguf_tiles.synthetic_blocks(qtype, 4, 512, seed=3) == raw).all()
+    assert (gguf_tiles.synthetic_blocks(qtype, 4, 512, seed=4) != raw).any()

@@ -275,3 +275,31 @@ def test_tune_command(kernel_module, tiny_model_factory, tmp_path, monkeypatch, 
     assert tune.cache_path().exists()
     assert main(["tune", path, "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_tune_command_times_a_gguf_files_block_types_again(kernel_module, default_model_path,
+                                                           tmp_path, monkeypatch, capsys):
+    """For a GGUF model ``kvforge tune`` also re-times the fp32-tile crossover of each block
+    type the file holds (kernels/gguf_tiles.py), caches it, and prints it."""
+    import json
+
+    from kvforge.cli import main
+    from kvforge.kernels import gguf_tiles
+    from kvforge.loader.source import load_model_source
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(gguf_tiles.ENV_VAR, raising=False)
+    types = {t.tensor_type.name for t in load_model_source(default_model_path).gguf_reader().tensors}
+    block_types = sorted(types & set(gguf_tiles.BLOCK_TYPES))
+    assert "Q4_1" in block_types
+    assert main(["tune", default_model_path, "--max-num-seqs", "1",
+                 "--max-num-batched-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    printed = dict(re.findall(r"^GGUF (\w+): (.*)$", out, re.M))
+    assert sorted(printed) == block_types
+    cached = {json.loads(p.read_text())["type"]: json.loads(p.read_text())["gemm_min_rows"]
+              for p in (tmp_path / "tune").glob("gguf-gemm-rows-*.json")}
+    assert sorted(cached) == block_types
+    for name, rows in cached.items():
+        assert rows in (0, *gguf_tiles.CANDIDATE_ROWS)
+        assert printed[name] == (f"fp32 tiles + GEMM from {rows} rows" if rows
+                                 else "integer kernels at every row count")

@@ -421,7 +421,7 @@ struct Shards {
 // a pass of 64 rows reads the weights once per 64 rows and multiplies in int8 at the rate of
 // fp32 FMA: timed on a Q4_K gate|up of Qwen2.5-1.5B (2 AVX2 cores), 0.22 ms a row at 64 rows,
 // where fp32 tiles + ATen's GEMM took 0.22-0.42 ms a row at 65-512 rows (an AMD CPU: on Intel
-// with MKL the tiles win from ~256 rows, GgufWeight's gemm_min_rows). Float shards (F32 /
+// with MKL the tiles win from ~64 rows, GgufWeight's gemm_min_rows). Float shards (F32 /
 // F16 / BF16) of a projection with more rows keep the tiles (many_rows): their dot is a plain
 // fp32 loop without blocking.
 constexpr int64_t kGgufDotRowsMax = 64;

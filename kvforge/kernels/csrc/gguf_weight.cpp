@@ -8,8 +8,9 @@
 //   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
 //   any shards, >= gemm_min_rows rows (a long prefill chunk; 0: never)   the same tiles: where
 //                             ATen's GEMM runs near the FMA peak (Intel + MKL) they beat the
-//                             integer dots ~1.2-1.7x at 512 rows; the engine measures the
-//                             crossover once per machine (kernels/gguf_tiles.py)
+//                             integer dots from ~64 rows (1.2-1.7x at 512); the engine
+//                             measures the crossover once per machine and block type
+//                             (kernels/gguf_tiles.py)
 //
 // The raw tensors are views of the file's memory map (quant/gguf.py): nothing is copied.
 #include "kernels.h"
