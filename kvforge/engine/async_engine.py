@@ -8,7 +8,9 @@
        └ cancelled (client gone) ──abort cmd──►
 
 Only the engine thread touches the LLMEngine, so nothing in it needs a lock. Commands run
-between steps; an add never waits for other requests to finish, only for the current step.
+between steps; an add never waits for other requests to finish, only for the current step:
+an add or abort also interrupts a multi-step decode call after its step in flight
+(``LLMEngine.interrupt_decode_steps``, a flag the compiled call reads between steps).
 Torch kernels release the GIL, so the event loop keeps serving while a step runs.
 """
 from __future__ import annotations
@@ -79,10 +81,12 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps; its exception is re-raised."""
+    async def call(self, fn: Callable[[LLMEngine], T], *, interrupt: bool = False) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; its exception is re-raised.
+        ``interrupt``: end a multi-step decode call in flight after its current step instead
+        of waiting for all its steps (what an arrival does; a stats read need not)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("call", fn, fut))
+        self._submit(("call", fn, fut), interrupt=interrupt)
         return await asyncio.wrap_future(fut)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
@@ -98,7 +102,7 @@ class AsyncLLMEngine:
             engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
             self._streams[request_id] = (loop, out_queue)   # engine thread: registered atomically
 
-        await self.call(add)
+        await self.call(add, interrupt=True)
         return self._stream(request_id, out_queue)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -108,8 +112,9 @@ class AsyncLLMEngine:
             yield out
 
     def abort(self, request_id: str) -> None:
-        if self.is_running:
+        if self.is_running:         # never raises: closing streams call it while shutting down
             self._commands.put(("abort", request_id, None))
+            self.engine.interrupt_decode_steps()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; unfinished requests are aborted and their streams end."""
@@ -118,10 +123,12 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ private
-    def _submit(self, cmd) -> None:
+    def _submit(self, cmd, interrupt: bool = False) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
         self._commands.put(cmd)
+        if interrupt:         # after the put: the call it ends finds the command queued
+            self.engine.interrupt_decode_steps()
 
     async def _stream(self, request_id: str, out_queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -178,6 +185,8 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                # before the drain: a command queued after it interrupts the next call
+                self.engine.clear_decode_interrupt()
                 if self._drain(block=not self.engine.has_unfinished_requests()):
                     self._update_stats(stepped=False)   # adds and aborts show before a step
                 if self._stop.is_set() or not self.engine.has_unfinished_requests():

@@ -16,6 +16,11 @@ tokens (as vLLM's multi-step scheduling amortises its CPU work over GPU steps).
                     unused slots go back (Scheduler.update_from_output trims them)
     engine          stop checks token by token; a stop mid-way truncates the rest, as with
                     speculative decoding's accepted tokens
+    interrupt       a request added (or aborted) while a call runs sets the runner's
+                    ``decode_interrupt`` (LLMEngine.interrupt_decode_steps, any thread): the
+                    call ends after the step in flight, so the newcomer is scheduled one step
+                    later at most, not k; its rows come back with fewer than k tokens and the
+                    unused slots go back as above
 
 Lossless: each of the k steps is a one-step greedy sample of the same kernels (the compiled
 stack's ``generate``), so outputs equal one step at a time; tests compare the two.
@@ -70,9 +75,12 @@ def plan_decode_steps(running: list[Request], steps_allowed: int | None, max_ste
 
 
 def run_decode_steps(model, sched: SchedulerOutput, kv_caches: list[torch.Tensor],
-                     device: torch.device) -> dict[str, list[int]] | None:
+                     device: torch.device, stop: torch.Tensor | None = None
+                     ) -> dict[str, list[int]] | None:
     """The step's tokens, request_id -> k tokens, when every scheduled request is a decode with
-    the same k - 1 lookahead slots; None otherwise (the runner then runs one plain step)."""
+    the same k - 1 lookahead slots; None otherwise (the runner then runs one plain step).
+    ``stop`` (int32 [1]): set by another thread, it ends the call after the step in flight
+    (fewer than k tokens each)."""
     requests = sched.scheduled
     if not requests or sched.forked or sched.spec_token_ids:
         return None
@@ -88,5 +96,5 @@ def run_decode_steps(model, sched: SchedulerOutput, kv_caches: list[torch.Tensor
     ids = torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64)
     positions = torch.tensor([r.num_computed_tokens for r in requests], dtype=torch.int64)
     tokens = model.decode_steps(ids.to(device), positions.to(device), steps, kv_caches,
-                                block_tables.to(device)).tolist()
+                                block_tables.to(device), stop).tolist()
     return {r.request_id: row for r, row in zip(requests, tokens)}

@@ -188,6 +188,19 @@ class LLMEngine:
                 self.scheduler.abort_request(s.request.request_id)
             self._seq_states.pop(s.request.request_id, None)
 
+    def interrupt_decode_steps(self) -> None:
+        """End the multi-step decode call in flight after its current step (any thread; a
+        no-op when none runs until the next ``clear_decode_interrupt``): the server calls it
+        when a request arrives or leaves, so the next scheduling decision comes one step
+        later at most instead of k (engine/decode_steps.py)."""
+        self.runner.decode_interrupt.fill_(1)
+
+    def clear_decode_interrupt(self) -> None:
+        """Let the next multi-step decode calls run their k steps again (the engine thread,
+        before it takes the commands that interrupted: one arriving after this interrupts
+        the next call)."""
+        self.runner.decode_interrupt.zero_()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -208,7 +221,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         self.num_preemptions_total += len(sched.preempted_request_ids)
-        self.num_model_steps_total += 1 + max(sched.num_lookahead_tokens.values(), default=0)
+        self.num_model_steps_total += _model_steps_run(sched, runner_out.sampled)
         self.scheduler.update_from_output(sched, runner_out.sampled)
         if self.spec is not None:
             self.spec.record(sched, runner_out.sampled)
@@ -332,3 +345,11 @@ class LLMEngine:
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     import dataclasses
     return dataclasses.replace(params, max_tokens=max(1, max_tokens))
+
+
+def _model_steps_run(sched, sampled: dict[str, list[int]]) -> int:
+    """Model steps a step took: 1, or the tokens a multi-step decode call returned per row
+    (its k planned steps, fewer when interrupted)."""
+    if not sched.num_lookahead_tokens or sched.spec_token_ids:
+        return 1
+    return max(1, max((len(tokens) for tokens in sampled.values()), default=1))

@@ -78,6 +78,9 @@ class ModelRunner:
                 [draft.kv_cache_shape(self.num_blocks, self.block_size)] * draft.num_layers,
                 draft.kv_cache_dtype(), self.device)
         self.sampler = Sampler()
+        # set (nonzero) by any thread to end a multi-step decode call after the step in flight
+        # (LLMEngine.interrupt_decode_steps; engine/decode_steps.py)
+        self.decode_interrupt = torch.zeros(1, dtype=torch.int32)
         # the compiled decode stack now, with the model configured (long context, layout), so
         # packing its weights is not the first request's wait
         if hasattr(self.model, "decode_stack"):
@@ -143,7 +146,8 @@ class ModelRunner:
         if not sched.scheduled:
             return out
         if sched.num_lookahead_tokens and self.supports_decode_steps:
-            sampled = run_decode_steps(self.model, sched, self.kv_caches, self.device)
+            sampled = run_decode_steps(self.model, sched, self.kv_caches, self.device,
+                                       self.decode_interrupt)
             if sampled is not None:
                 out.sampled = sampled
                 return out

@@ -193,16 +193,18 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
                 and self._head_and_table() is not None)
 
     def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, num_steps: int,
-                     kv_caches: list[torch.Tensor], block_tables: torch.Tensor) -> torch.Tensor:
+                     kv_caches: list[torch.Tensor], block_tables: torch.Tensor,
+                     stop: torch.Tensor | None = None) -> torch.Tensor:
         """``num_steps`` greedy decode steps of a batch of sequences in one compiled call
         (multi-step decoding, see ``DecodeStack::generate``): sequence i continues from token
         ``input_ids[i]`` at ``positions[i]``, with KV slots for ``num_steps`` positions in its
-        ``block_tables`` row. Returns the [num_seqs, num_steps] argmax tokens, the ones
-        ``num_steps`` one-step greedy samples would give."""
+        ``block_tables`` row. Returns the [num_seqs, steps run] argmax tokens, the ones that
+        many one-step greedy samples would give: ``num_steps``, or fewer when another thread
+        set ``stop`` (int32 [1]) during the call (it ends after the step then running)."""
         head, table = self._head_and_table()
         return self.decode_stack().generate(
             input_ids, positions, num_steps, kv_caches, block_tables,
-            self.model.rotary_emb.cos_sin_table, table, head, self.config.vocab_size)
+            self.model.rotary_emb.cos_sin_table, table, head, self.config.vocab_size, stop)
 
     def _head_and_table(self):
         """(LM head, embedding table) as the compiled stack takes weights

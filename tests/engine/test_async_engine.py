@@ -41,6 +41,63 @@ def test_short_request_added_later_finishes_first(aengine):
     assert asyncio.run(aengine.call(lambda e: e.num_free_blocks)) == 128
 
 
+def test_an_arrival_ends_a_multi_step_call_after_its_step_in_flight(tiny_model_factory):
+    """A request added while a k-step decode call runs interrupts it: the call returns after
+    the step in flight (not k steps later), and the newcomer is scheduled next; the tokens
+    are the one-step ones."""
+    import threading
+
+    from kvforge import LLM
+    path, _ = tiny_model_factory("llama", num_hidden_layers=2)
+    long_params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    short_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    reference = LLM(path, block_size=4, num_kv_blocks=128, num_decode_steps=1, num_threads=1)
+    expected = [o.outputs[0].token_ids
+                for o in reference.generate([[5, 6, 7], [8, 9]], [long_params, short_params],
+                                            use_tqdm=False)]
+    engine = LLMEngine(EngineConfig(model=path, block_size=4, num_kv_blocks=128,
+                                    num_decode_steps=64, num_threads=1))
+    model = engine.runner.model
+    real_decode_steps = model.decode_steps
+    calls = []                                   # (steps planned, steps returned)
+    in_call, release = threading.Event(), threading.Event()
+
+    def gated(ids, positions, num_steps, kv_caches, block_tables, stop=None):
+        if num_steps == 64 and not in_call.is_set():    # the first long call waits for the add
+            in_call.set()
+            release.wait(60)
+        out = real_decode_steps(ids, positions, num_steps, kv_caches, block_tables, stop)
+        calls.append((num_steps, out.shape[1]))
+        return out
+
+    model.decode_steps = gated
+    aengine = AsyncLLMEngine(engine)
+
+    async def collect(stream):
+        async for out in stream:
+            if out.finished:
+                return out.outputs[0].token_ids
+
+    async def main():
+        long = asyncio.create_task(collect(await aengine.add_request("long", [5, 6, 7],
+                                                                     long_params)))
+        await asyncio.to_thread(in_call.wait, 60)
+        add = asyncio.create_task(aengine.add_request("short", [8, 9], short_params))
+        while not engine.runner.decode_interrupt.item():    # the add interrupts the call
+            await asyncio.sleep(0.001)
+        release.set()
+        short = await collect(await add)
+        return [await long, short]
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        aengine.shutdown()
+    assert calls[0] == (64, 1), calls
+    engine.check_integrity()
+    assert engine.num_free_blocks == 128
+
+
 def test_bad_request_raises_and_leaves_nothing(aengine):
     async def main():
         with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -94,6 +94,58 @@ def test_batches_it_cannot_take_run_one_token_a_step(tiny):
             assert multi[2].outputs[0].logprobs == one[2].outputs[0].logprobs
 
 
+def test_interrupted_calls_return_the_steps_they_ran_and_match_one_step(tiny):
+    """``LLMEngine.interrupt_decode_steps`` ends a multi-step call after its step in flight:
+    a call started with the flag set returns one token a row (slots given back, nothing
+    leaked), and a flag set by another thread mid-call cuts it wherever it lands; the tokens
+    are the one-step ones either way."""
+    import threading
+    path, baseline, _ = tiny
+    llm = LLM(path, block_size=BLOCK, num_kv_blocks=256, num_decode_steps=8)
+    engine, model = llm.engine, llm.engine.runner.model
+    real_decode_steps = model.decode_steps
+    calls = []                                   # (steps planned, steps returned)
+
+    def recorded(ids, positions, num_steps, kv_caches, block_tables, stop=None):
+        out = real_decode_steps(ids, positions, num_steps, kv_caches, block_tables, stop)
+        calls.append((num_steps, out.shape[1]))
+        return out
+
+    model.decode_steps = recorded
+    step, count = engine.step, 0
+
+    def step_interrupting_every_other():
+        nonlocal count
+        count += 1
+        engine.clear_decode_interrupt()
+        if count % 2:
+            engine.interrupt_decode_steps()
+        return step()
+
+    engine.step = step_interrupting_every_other
+    outs, _ = _generate(llm, _prompts(), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert any(planned > 1 and ran == 1 for planned, ran in calls), calls
+    assert any(planned > 1 and ran == planned for planned, ran in calls), calls
+
+    # another thread sets the flag while the calls run (wherever it lands)
+    calls.clear()
+
+    def step_then_interrupt_soon():
+        engine.clear_decode_interrupt()
+        stop_setter = threading.Timer(0.002, engine.interrupt_decode_steps)
+        stop_setter.start()
+        try:
+            return step()
+        finally:
+            stop_setter.join()
+
+    engine.step = step_then_interrupt_soon
+    outs, _ = _generate(llm, _prompts(), _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert all(1 <= ran <= planned for planned, ran in calls) and calls
+
+
 def test_smollm2_stops_mid_call_like_one_step(default_model_path):
     """Stop strings, EOS and max_tokens that land inside a multi-step call cut the output where
     one step at a time stops: same text, tokens and finish reasons."""

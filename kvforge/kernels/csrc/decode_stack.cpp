@@ -276,10 +276,15 @@ class DecodeStack {
   // packed tuple, a GgufWeight; a tied model passes the same one twice); cos_sin: rotary table
   // [positions, 2, head_dim]. Called with the GIL held: it reads the Python objects, then
   // releases the GIL for the steps.
+  //
+  // stop (optional int32 [1], another thread may set it while the call runs): read after
+  // each step but the last; nonzero ends the call there, so a request arriving mid-call waits
+  // one step instead of the rest of the call. Returns [n, steps run]; the slots of the steps
+  // not run stay unwritten (the engine gives them back like any unused lookahead slot).
   at::Tensor generate(at::Tensor ids, at::Tensor positions, int64_t steps,
                       std::vector<at::Tensor> kv_caches, at::Tensor block_tables,
                       at::Tensor cos_sin, pybind11::object embedding, pybind11::object head,
-                      int64_t vocab) {
+                      int64_t vocab, c10::optional<at::Tensor> stop) {
     const pybind11::object no_bias = pybind11::none();
     const Projection table = Projection::from(embedding, no_bias);
     const Projection lm_head = Projection::from(head, no_bias);
@@ -303,6 +308,12 @@ class DecodeStack {
                   "embedding and head must be [vocab = ", vocab, ", hidden = ", hidden_,
                   "] weights our kernels read");
     TORCH_CHECK(lm_head.team_runnable(n), "the LM head cannot run ", n, " rows in a team");
+    const int32_t* stop_flag = nullptr;
+    if (stop.has_value() && stop->defined()) {
+      TORCH_CHECK(stop->device().is_cpu() && stop->scalar_type() == at::kInt &&
+                      stop->numel() == 1, "stop must be an int32 [1] CPU tensor");
+      stop_flag = stop->data_ptr<int32_t>();
+    }
     const auto [num_slots, block_size] = check_caches(kv_caches);
     const int64_t* id0 = ids.data_ptr<int64_t>();
     const int64_t* pos0 = positions.data_ptr<int64_t>();
@@ -355,6 +366,9 @@ class DecodeStack {
     std::vector<int64_t> part_best(threads * n);
     float* logits_p = logits.data_ptr<float>();
     int64_t* out_p = out.data_ptr<int64_t>();
+    // steps run; rank 0 reads the flag once a step and every thread follows that one reading
+    // (threads reading it themselves could disagree and wait at different barriers)
+    int64_t steps_run = steps;
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);
       std::vector<float> x(n * hidden_), normed(n * hidden_);
@@ -388,12 +402,20 @@ class DecodeStack {
           }
           tokens[t] = best;
         }
-        if (team.rank() == 0)
+        if (team.rank() == 0) {
           for (int64_t t = 0; t < n; ++t) out_p[t * steps + s] = tokens[t];
-        team.barrier();    // the parts are read before the next step's head overwrites them
+          if (stop_flag != nullptr && s + 1 < steps &&
+              __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0)
+            steps_run = s + 1;
+        }
+        // the parts are read before the next step's head overwrites them; steps_run is
+        // written before it and read after it (rank 0 writes again only a step later, past
+        // barriers every thread must reach first)
+        team.barrier();
+        if (steps_run == s + 1) break;
       }
     });
-    return out;
+    return steps_run == steps ? out : out.narrow(1, 0, steps_run);
   }
 
  private:
@@ -699,7 +721,11 @@ void bind_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("can_generate", &DecodeStack::can_generate)
       .def("set_sparsity", &DecodeStack::set_sparsity)
-      .def("generate", &DecodeStack::generate);   // releases the GIL itself
+      .def("generate", &DecodeStack::generate,   // releases the GIL itself
+           pybind11::arg("ids"), pybind11::arg("positions"), pybind11::arg("steps"),
+           pybind11::arg("kv_caches"), pybind11::arg("block_tables"), pybind11::arg("cos_sin"),
+           pybind11::arg("embedding"), pybind11::arg("head"), pybind11::arg("vocab"),
+           pybind11::arg("stop") = pybind11::none());
 }
 
 }  // namespace kvforge
