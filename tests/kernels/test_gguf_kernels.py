@@ -63,11 +63,14 @@ def uneven_activations(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + FLOATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype,k", [(t, 512) for t in LEGACY + K_QUANTS + FLOATS]
+                         + [(t, 608) for t in LEGACY], ids=lambda v: getattr(v, "name", f"K{v}"))
 @pytest.mark.parametrize("rows", [1, 3, 16, 64])
-def test_few_rows_within_activation_rounding(compiled, qtype, rows):
+def test_few_rows_within_activation_rounding(compiled, qtype, k, rows):
+    """K = 608: 19 blocks of 32, i.e. the 32-weight kernels' groups of 4 blocks and a tail of
+    3 taken one by one (K-quant rows are whole super-blocks of 256)."""
     assert rows <= compiled.gguf_dot_rows_max
-    n, k = 37, 512
+    n = 37
     raw = random_blocks(qtype, n, k, seed=int(qtype))
     w = reference_weight(raw, qtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
@@ -155,6 +158,9 @@ def test_many_rows_and_dequantize_match_the_reference(compiled, qtype):
         for i in (0, 63, 64, 130):
             assert torch.equal(y[i:i + 1], compiled.gguf_linear(x[i:i + 1], [r], [int(qtype)],
                                                                 None))
+        for i in (1, 2, 3):            # each group of 4 rows gives a row its bits alone
+            assert torch.equal(y[4:4 + i], compiled.gguf_linear(x[4:4 + i], [r], [int(qtype)],
+                                                                 None))
 
 
 @needs_kernels

@@ -9,6 +9,8 @@
 //     q    int8  [K]          round(x / d), |q| <= 127, d = max |x| / 127 of each 16
 //     dv   float [K / 32, 8]  each 32-block's two steps as the dot's lanes take them:
 //                             [d_lo d_lo d_lo d_lo | d_hi d_hi d_hi d_hi]
+//     dv4  float [K / 128, 8] the same steps for 4 blocks at a time, as the 4-block loop's
+//                             lanes take them: [lo of blocks 0..3 | hi of blocks 0..3]
 //     s16  float [K / 16]     d * sum(q) of each 16: what a weight offset (min) multiplies
 //     s32  float [K / 32]     the same per 32 (s16 pairs)
 //   K-quants (Q4_K, Q5_K, Q6_K): a power-of-two step per 32 under one unit per 256
@@ -30,7 +32,8 @@
 //   lanes 0..3 = bytes 0..15, lanes 4..7 = bytes 16..31     (so dv's halves line up)
 //
 //   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
-//                            + offset * s16 / s32                (a vector FMA per 32 weights)
+//                            + offset * s32      (Q4_* / Q5_*: 4 blocks per FMA, LegacyKernel;
+//                                                 Q8_0: a vector FMA per 32 weights)
 //   K-quants:          dot = sum over super-blocks  unit256 * d * sumi  -  dmin * sub-min . sum32
 //                      sumi = sum over sub-blocks  (sub-scale << shift) * (codes . q256)  (int32)
 //                      (the mins: a vector FMA per super-block)
@@ -58,7 +61,7 @@ namespace {
 
 struct ActRow {
   const int8_t* q;                  // steps per 16
-  const float *dv, *s16, *s32;
+  const float *dv, *dv4, *s16, *s32;
   const int8_t* q256;               // power-of-two steps per 32 under a unit per 256
   const float* unit256;
   const int16_t* pow2_32;
@@ -69,7 +72,7 @@ struct ActRow {
 struct GgufActivations {
   int64_t k = 0;
   std::vector<int8_t> q, q256;
-  std::vector<float> dv, s16, s32, unit256, sum32;
+  std::vector<float> dv, dv4, s16, s32, unit256, sum32;
   std::vector<int16_t> bsum16, pow2_32;
 
   void quantize(const float* x, int64_t xs, int64_t rows, int64_t width, bool per_16,
@@ -84,6 +87,7 @@ struct GgufActivations {
     views.resize(count);
     for (int64_t m = 0; m < count; ++m)
       views[m] = {q.data() + m * k,           dv.data() + m * (k / 32) * 8,
+                  dv4.data() + m * (k / 128) * 8,
                   s16.data() + m * (k / 16),  s32.data() + m * (k / 32),
                   q256.data() + m * k,        unit256.data() + m * (k / 256),
                   pow2_32.data() + m * (k / 256) * 16,
@@ -97,6 +101,7 @@ struct GgufActivations {
   void quantize_per_16(const float* x, int64_t xs, int64_t rows) {
     q.resize(rows * k);
     dv.resize(rows * k / 32 * 8);
+    dv4.resize(rows * (k / 128) * 8);
     s16.resize(rows * k / 16);
     s32.resize(rows * k / 32);
     for (int64_t r = 0; r < rows; ++r)
@@ -110,6 +115,9 @@ struct GgufActivations {
         const int64_t b = r * (k / 32) + h / 2;
         float* lanes = dv.data() + 8 * b + 4 * (h % 2);
         for (int j = 0; j < 4; ++j) lanes[j] = d;
+        const int64_t block = h / 2;                       // of this row
+        if (block / 4 < k / 128)                           // a whole group of 4 blocks
+          dv4[(r * (k / 128) + block / 4) * 8 + 4 * (h % 2) + block % 4] = d;
         s16[r * (k / 16) + h] = d * static_cast<float>(sum);
         s32[b] = (h % 2 ? s32[b] : 0.f) + d * static_cast<float>(sum);
       }
@@ -293,13 +301,8 @@ void rows_dot(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows, floa
   }
 }
 
-// 8 int32 sums of 32 unsigned codes times 32 signed activation bytes, as floats
-inline __m256 dot_u8(__m256i codes, const int8_t* x) {
-  const __m256i pairs =
-      _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-// the same with each int16 pair sum multiplied by `scale` (int16 lanes) before the int32 sums
+// 8 int32 sums of 32 unsigned codes times 32 signed activation bytes, each int16 pair sum
+// multiplied by `scale` (int16 lanes) before the int32 sums, as floats
 inline __m256 scaled_dot_u8(__m256i codes, const int8_t* x, __m256i scale) {
   const __m256i pairs =
       _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -376,38 +379,90 @@ struct Q8_0Kernel {
 
 // Q4_0 [d][qs:16] w = d * (nib - 8);  Q4_1 [d][m][qs:16] w = d * nib + m
 // Q5_0 [d][qh:4][qs:16] w = d * (code - 16);  Q5_1 [d][m][qh:4][qs:16] w = d * code + m
+//
+// Four blocks at a time: their 8-lane int32 sums (4 partial sums of each half, madd's layout)
+// fold by three hadds into one vector of the 4 blocks' half sums, so a row pays one
+// conversion and one FMA per 128 weights instead of per 32, and one 4-lane FMA for the 4
+// blocks' offsets instead of 4 scalar ones (the conversions and FMAs shared the multiply
+// ports with maddubs / madd: this loop does ~half the port work a row):
+//
+//   s_j = madd(maddubs(codes_j, x_j), 1)   [lo partials 0..3 | hi partials 0..3]  j = 0..3
+//   hadd(hadd(s0, s1), hadd(s2, s3))       [lo0 lo1 lo2 lo3 | hi0 hi1 hi2 hi3]  (exact ints)
+//   acc += cvt(.) * ([d0 d1 d2 d3 | d0 d1 d2 d3] * dv4)
+//
+// The blocks after the last whole group of 4 take the one-block path.
 template <int Bytes, bool HasMin, bool FifthBit>
 struct LegacyKernel {
+  static constexpr int kCodes = (HasMin ? 4 : 2) + (FifthBit ? 4 : 0);   // offset of qs
+  static constexpr float kZero = FifthBit ? 16.f : 8.f;                  // signed types' zero
+
+  static __m256i codes_at(const uint8_t* blk) {
+    __m256i codes = nibbles_32(blk + kCodes);
+    if constexpr (FifthBit) codes = _mm256_or_si256(codes, fifth_bits_32(blk + kCodes - 4));
+    return codes;
+  }
+  static float offset_at(const uint8_t* blk, float d) {
+    return HasMin ? fp16_at(blk + 2) : -kZero * d;
+  }
+  // the 8 int32 sums of 32 codes times 32 activation bytes (madd's lane layout)
+  static __m256i isum(__m256i codes, const int8_t* x) {
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+        _mm256_set1_epi16(1));
+  }
+
   template <int R>
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
                   const uint8_t* prefetch) {
     StreamPrefetch ahead(prefetch);
-    constexpr int kCodes = (HasMin ? 4 : 2) + (FifthBit ? 4 : 0);   // offset of qs
-    constexpr float kZero = FifthBit ? 16.f : 8.f;                  // the signed types' zero
-    __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
+    const int64_t blocks = k / 32, groups = blocks / 4;
+    __m256 acc[R];
+    __m128 off_acc[R];
     float offsets[R] = {};
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    auto block = [&](int64_t b, __m256* acc) {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      off_acc[r] = _mm_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = row + Bytes * 4 * g;
+      if (prefetch != nullptr) ahead.upto(prefetch + Bytes * 4 * (g + 1));
+      const __m256i c0 = codes_at(blk), c1 = codes_at(blk + Bytes), c2 = codes_at(blk + 2 * Bytes),
+                    c3 = codes_at(blk + 3 * Bytes);
+      const float d0 = fp16_at(blk), d1 = fp16_at(blk + Bytes), d2 = fp16_at(blk + 2 * Bytes),
+                  d3 = fp16_at(blk + 3 * Bytes);
+      const __m128 d4 = _mm_setr_ps(d0, d1, d2, d3);
+      const __m256 dw = _mm256_set_m128(d4, d4);
+      const __m128 offw = _mm_setr_ps(offset_at(blk, d0), offset_at(blk + Bytes, d1),
+                                      offset_at(blk + 2 * Bytes, d2),
+                                      offset_at(blk + 3 * Bytes, d3));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a[r].q + 128 * g;
+        const __m256i sums = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(isum(c0, x), isum(c1, x + 32)),
+            _mm256_hadd_epi32(isum(c2, x + 64), isum(c3, x + 96)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                 _mm256_mul_ps(dw, _mm256_loadu_ps(a[r].dv4 + 8 * g)), acc[r]);
+        off_acc[r] = _mm_fmadd_ps(offw, _mm_loadu_ps(a[r].s32 + 4 * g), off_acc[r]);
+      }
+    }
+    for (int64_t b = 4 * groups; b < blocks; ++b) {      // the last 0..3 blocks one by one
       const uint8_t* blk = row + Bytes * b;
       if (prefetch != nullptr) ahead.upto(prefetch + Bytes * (b + 1));
-      __m256i codes = nibbles_32(blk + kCodes);
-      if constexpr (FifthBit) codes = _mm256_or_si256(codes, fifth_bits_32(blk + kCodes - 4));
+      const __m256i codes = codes_at(blk);
       const float d = fp16_at(blk);
-      const float offset = HasMin ? fp16_at(blk + 2) : -kZero * d;
+      const float offset = offset_at(blk, d);
       const __m256 dv = _mm256_set1_ps(d);
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(dot_u8(codes, a[r].q + 32 * b),
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(codes, a[r].q + 32 * b)),
                                  _mm256_mul_ps(dv, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
         offsets[r] += offset * a[r].s32[b];
       }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= k / 32; b += 2) {
-      block(b, even);
-      block(b + 1, odd);
     }
-    if (b < k / 32) block(b, even);
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(_mm256_add_ps(even[r], odd[r])) + offsets[r];
+    for (int r = 0; r < R; ++r) {
+      __m128 o = _mm_add_ps(off_acc[r], _mm_movehl_ps(off_acc[r], off_acc[r]));
+      o = _mm_add_ss(o, _mm_movehdup_ps(o));
+      out[r] = hsum_ps(acc[r]) + _mm_cvtss_f32(o) + offsets[r];
+    }
   }
 };
 
