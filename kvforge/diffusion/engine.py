@@ -159,6 +159,13 @@ class DiffusionEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting) or self._running is not None
 
+    # AsyncLLMEngine's interface: a diffusion step is one denoising pass, nothing to cut short
+    def interrupt_decode_steps(self) -> None:
+        """No multi-step decode calls here (LLMEngine's ends one early): nothing to do."""
+
+    def clear_decode_interrupt(self) -> None:
+        """See ``interrupt_decode_steps``."""
+
     def step(self) -> list[RequestOutput]:
         if self._running is None and not self._start_batch():
             return []

@@ -50,7 +50,8 @@ auto`` measures it). With 1.0 a 20-token prompt alone would use up a small top q
   quantum of every running request that a waiting one would preempt once it is demoted (and
   by the nearest starvation promotion): preemptions happen at the model step they would one
   step at a time, while the steps in between run k at a time. The k tokens are charged as k
-  decode steps and age the waiting requests by k.
+  decode steps and age the waiting requests by k; a call that ends early (an arrival
+  interrupted it) is charged the steps it ran instead (``on_decode_steps_unused``).
 
 Only sequence slots (``max_num_seqs``) trigger ``requests_to_yield``; the token budget and KV
 blocks are shared as in FCFS (running requests are ordered by rank, so higher levels take the
@@ -175,11 +176,43 @@ class MLFQRequestQueue(RequestQueue):
         self._match_length: Callable[[Request], int] | None = None
         self.num_demotions = 0
         self.num_promotions = 0
+        # this step's multi-step decodes: request_id -> (level, order, work_in_level before
+        # the charge, decode steps charged, other work charged)
+        self._charged: dict[str, tuple[int, int, float, int, float]] = {}
 
     def bind_prefix_matcher(self, match_length: Callable[[Request], int]) -> None:
         self._match_length = match_length
 
     # ---- ranks ---------------------------------------------------------------------------
+    def _charge(self, rank: _Rank, work: float) -> None:
+        """Add work at the rank's level; at the level's quantum it moves one level down."""
+        rank.work_in_level += work
+        if rank.work_in_level >= self.config.quantum(rank.level):
+            rank.level += 1
+            rank.work_in_level = 0
+            rank.order = next(self._counter)          # the back of its new level
+            self.num_demotions += 1
+
+    def on_decode_steps_unused(self, unused: Mapping[str, int]) -> None:
+        """Charge a multi-step call's requests for the steps it ran, not the k planned: each
+        rank goes back to where it stood before the step and is charged again (a demotion
+        the unrun steps caused is undone); the waiting requests' age drops by the unrun
+        model steps."""
+        for request_id, steps in unused.items():
+            charged = self._charged.pop(request_id, None)
+            rank = self._ranks.get(request_id)
+            if charged is None or rank is None or steps <= 0:
+                continue
+            level, order, work, decodes, other = charged
+            if rank.level != level:
+                self.num_demotions -= 1
+            rank.level, rank.order, rank.work_in_level = level, order, work
+            self._charge(rank, max(0, decodes - steps) + other)
+        unrun = max(unused.values(), default=0)
+        for request in self._waiting:
+            rank = self._rank(request)
+            rank.steps_waited = max(0, rank.steps_waited - unrun)
+
     def _key(self, request: Request) -> tuple[int, int, int]:
         rank = self._rank(request)
         return (rank.level, request.priority, rank.order)
@@ -314,6 +347,7 @@ class MLFQRequestQueue(RequestQueue):
         (promoting at the starvation bound)."""
         w = self.config.prefill_weight
         lookaheads = num_lookahead_tokens or {}
+        self._charged.clear()
         for request_id, num_tokens in num_scheduled_tokens.items():
             request = scheduled[request_id]
             rank = self._rank(request)
@@ -324,12 +358,10 @@ class MLFQRequestQueue(RequestQueue):
             samples = (request.num_computed_tokens + num_tokens - len(request.spec_token_ids)
                        - lookahead == request.num_tokens)
             decodes = samples * (1 + lookahead)
-            rank.work_in_level += decodes + w * (num_tokens - decodes)
-            if rank.work_in_level >= self.config.quantum(rank.level):
-                rank.level += 1
-                rank.work_in_level = 0
-                rank.order = next(self._counter)          # the back of its new level
-                self.num_demotions += 1
+            if lookahead:          # kept until the call's tokens are in: it may end early
+                self._charged[request_id] = (rank.level, rank.order, rank.work_in_level,
+                                             decodes, w * (num_tokens - decodes))
+            self._charge(rank, decodes + w * (num_tokens - decodes))
         promoted = False
         # waiting is counted in model steps: a multi-step decode call of k steps ages it by k
         model_steps = 1 + max(lookaheads.values(), default=0)

@@ -102,6 +102,11 @@ class RequestQueue(ABC):
         """Called once per step with its final plan: tokens of work each request got
         (``num_lookahead_tokens``: of those, the multi-step decode slots after its last token)."""
 
+    def on_decode_steps_unused(self, unused: Mapping[str, int]) -> None:
+        """A multi-step decode call ran fewer steps than planned (interrupted by an arrival,
+        engine/decode_steps.py, or run as one plain step): ``unused[request_id]`` of the decode
+        steps ``on_step_scheduled`` charged that request did not run."""
+
     def forget(self, request: Request) -> None:
         """The request finished or was aborted: drop any state kept about it."""
 

@@ -531,6 +531,13 @@ class Scheduler:
                 raise ValueError(f"forked request {child_id!r} got no sampled token")
             forked.append((child, tokens))
 
+        # a multi-step call that ended early (interrupted) ran fewer steps than the policy was
+        # told at scheduling (on_step_scheduled)
+        unused = {request.request_id: _num_ahead(output, request.request_id) + 1 - len(tokens)
+                  for request, tokens in advanced
+                  if tokens and _num_ahead(output, request.request_id) + 1 > len(tokens)}
+        if unused:
+            self.waiting.on_decode_steps_unused(unused)
         now = time.monotonic()
         got_tokens: list[Request] = []
         for request, tokens in advanced:

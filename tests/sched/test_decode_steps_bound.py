@@ -133,3 +133,28 @@ def test_waiting_ages_by_model_steps():
     sched.running[0].num_lookahead_tokens = 3        # a 4-step call
     run_step(sched)
     assert sched.waiting._ranks["late"].steps_waited == 4
+
+
+def test_mlfq_charges_an_interrupted_call_for_the_steps_it_ran():
+    """A k-step call that returns fewer tokens (an arrival interrupted it) is charged for the
+    steps it ran: ranks, demotions and the waiting requests' age equal a scheduler that
+    planned that many steps; charged k, "a" would have left level 0 (quantum 4)."""
+    def ranks(sched):
+        q = sched.waiting
+        return {rid: (r.level, r.work_in_level, r.steps_waited) for rid, r in q._ranks.items()}
+
+    runs = {}
+    for planned in (4, 1):
+        sched = make_scheduler("mlfq", max_num_seqs=1)
+        sched.add_request(make_request("a"))
+        run_step(sched)                                  # prefill: 1 + 0.5 of work at level 0
+        sched.add_request(make_request("b"))             # waits: the only slot is taken
+        a = sched.running[0]
+        a.num_lookahead_tokens = planned - 1
+        out = sched.schedule()
+        assert out.num_lookahead_tokens.get("a", 0) == planned - 1
+        sched.update_from_output(out, {"a": [7]})        # one step ran
+        sched.check_integrity()
+        runs[planned] = (ranks(sched), sched.waiting.num_demotions, a.num_computed_tokens)
+    assert runs[4] == runs[1]
+    assert runs[1][0]["a"][:2] == (0, 2.5) and runs[1][1] == 0
