@@ -32,8 +32,7 @@
 //   lanes 0..3 = bytes 0..15, lanes 4..7 = bytes 16..31     (so dv's halves line up)
 //
 //   32-weight formats: dot = sum over 32-blocks  cvt(int32 lanes) * weight scale * dv
-//                            + offset * s32      (Q4_* / Q5_*: 4 blocks per FMA, LegacyKernel;
-//                                                 Q8_0: a vector FMA per 32 weights)
+//                            + offset * s32      (4 blocks per conversion and FMA, half_sums_4)
 //   K-quants:          dot = sum over super-blocks  unit256 * d * sumi  -  dmin * sub-min . sum32
 //                      sumi = sum over sub-blocks  (sub-scale << shift) * (codes . q256)  (int32)
 //                      (the mins: a vector FMA per super-block)
@@ -345,35 +344,65 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 4 blocks' 8-lane int32 sums (madd's layout: [lo partials 0..3 | hi partials 0..3]) folded
+// into their half sums, exactly: [lo0 lo1 lo2 lo3 | hi0 hi1 hi2 hi3] (the 32-weight kernels
+// convert and scale 4 blocks at once: one conversion and FMA per 128 weights a row)
+inline __m256i half_sums_4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+}
+// the 4 blocks' weight scales as half_sums_4's lanes take them
+inline __m256 scales_4(float d0, float d1, float d2, float d3) {
+  const __m128 d = _mm_setr_ps(d0, d1, d2, d3);
+  return _mm256_set_m128(d, d);
+}
+
 // Q8_0  [d][q0..q31 int8]                      w = d * q
+// Four blocks at a time like LegacyKernel (below); the blocks after the last whole 4 one by one.
 struct Q8_0Kernel {
+  // |w| (<= 128) unsigned against x with w's sign: pair sums fit int16; 8 int32 sums
+  static __m256i isum(__m256i w, __m256i w_abs, const int8_t* x) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w)),
+                             _mm256_set1_epi16(1));
+  }
+
   template <int R>
   static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
                   const uint8_t* prefetch) {
     StreamPrefetch ahead(prefetch);
-    __m256 even[R], odd[R];                 // two FMA chains, alternate blocks (K4Kernel)
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    auto block = [&](int64_t b, __m256* acc) {
+    const int64_t blocks = k / 32, groups = blocks / 4;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = row + 34 * 4 * g;
+      if (prefetch != nullptr) ahead.upto(prefetch + 34 * 4 * (g + 1));
+      __m256i w[4], w_abs[4];
+      for (int j = 0; j < 4; ++j) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 34 * j + 2));
+        w_abs[j] = _mm256_sign_epi8(w[j], w[j]);
+      }
+      const __m256 dw = scales_4(fp16_at(blk), fp16_at(blk + 34), fp16_at(blk + 68),
+                                 fp16_at(blk + 102));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a[r].q + 128 * g;
+        const __m256i sums = half_sums_4(isum(w[0], w_abs[0], x), isum(w[1], w_abs[1], x + 32),
+                                         isum(w[2], w_abs[2], x + 64),
+                                         isum(w[3], w_abs[3], x + 96));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                 _mm256_mul_ps(dw, _mm256_loadu_ps(a[r].dv4 + 8 * g)), acc[r]);
+      }
+    }
+    for (int64_t b = 4 * groups; b < blocks; ++b) {      // the last 0..3 blocks one by one
       const uint8_t* blk = row + 34 * b;
       if (prefetch != nullptr) ahead.upto(prefetch + 34 * (b + 1));
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       const __m256i w_abs = _mm256_sign_epi8(w, w);
       const __m256 d = _mm256_set1_ps(fp16_at(blk));
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].q + 32 * b));
-        // |w| (<= 128) unsigned against x with w's sign: pair sums fit int16
-        const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= k / 32; b += 2) {
-      block(b, even);
-      block(b + 1, odd);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(w, w_abs, a[r].q + 32 * b)),
+                                 _mm256_mul_ps(d, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
     }
-    if (b < k / 32) block(b, even);
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
   }
 };
 
@@ -430,16 +459,14 @@ struct LegacyKernel {
                     c3 = codes_at(blk + 3 * Bytes);
       const float d0 = fp16_at(blk), d1 = fp16_at(blk + Bytes), d2 = fp16_at(blk + 2 * Bytes),
                   d3 = fp16_at(blk + 3 * Bytes);
-      const __m128 d4 = _mm_setr_ps(d0, d1, d2, d3);
-      const __m256 dw = _mm256_set_m128(d4, d4);
+      const __m256 dw = scales_4(d0, d1, d2, d3);
       const __m128 offw = _mm_setr_ps(offset_at(blk, d0), offset_at(blk + Bytes, d1),
                                       offset_at(blk + 2 * Bytes, d2),
                                       offset_at(blk + 3 * Bytes, d3));
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a[r].q + 128 * g;
-        const __m256i sums = _mm256_hadd_epi32(
-            _mm256_hadd_epi32(isum(c0, x), isum(c1, x + 32)),
-            _mm256_hadd_epi32(isum(c2, x + 64), isum(c3, x + 96)));
+        const __m256i sums = half_sums_4(isum(c0, x), isum(c1, x + 32), isum(c2, x + 64),
+                                         isum(c3, x + 96));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                  _mm256_mul_ps(dw, _mm256_loadu_ps(a[r].dv4 + 8 * g)), acc[r]);
         off_acc[r] = _mm_fmadd_ps(offw, _mm_loadu_ps(a[r].s32 + 4 * g), off_acc[r]);
