@@ -1,0 +1,110 @@
+"""GGUF block projections by activation rows: the integer dot kernels vs fp32 tiles + GEMM.
+
+    .venv/bin/python benchmarks/gguf_kernels.py [--types Q4_1 Q8_0 Q4_K Q6_K]
+        [--shapes 1536x576 576x1536 17920x1536] [--rows 1 4 16 64 128 256 512] [--threads 2]
+
+Per block type and weight shape (out x in, in a multiple of the type's block: K-quants skip
+SmolLM2's 576-wide inputs; synthetic valid blocks, kernels/gguf_tiles.py: the
+kernels' speed does not depend on the values), per row count M: the time of
+``GgufWeight.linear`` on the integer kernels (``gemm_min_rows=0``, docs/gguf_native.md) and on
+fp32 tiles + ATen's GEMM (``gemm_min_rows=1``), alternated, best of ``--reps``; GFLOP/s =
+2 M out in / time. Then the crossover the engine would choose for each type on this machine
+(``gguf_tiles.measure_gemm_min_rows``: the smallest row count from which the tiles win by 10% at
+every larger one; 0 = never). ``KVFORGE_ISA=avx2`` with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` measures
+an AVX2 machine's paths on an AVX-512 CPU. Ends with one ``SUMMARY gguf_kernels:`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from benchmarks.common import setup_threads
+from benchmarks.hardware import best_seconds, hardware_line
+from benchmarks.report import format_table
+from kvforge.kernels import cpu_kernels
+from kvforge.kernels.gguf_tiles import BLOCK_TYPES, measure_gemm_min_rows, synthetic_blocks
+
+# SmolLM2-135M's gate|up and down, Qwen2.5-1.5B's gate|up
+DEFAULT_SHAPES = ("1536x576", "576x1536", "17920x1536")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        out_features, in_features = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: use OUTxIN, e.g. 1536x576") from None
+    if out_features < 1 or in_features < 1 or in_features % 32:
+        raise ValueError(f"shape {text!r}: sizes >= 1 and IN a multiple of 32 (whole blocks)")
+    return out_features, in_features
+
+
+def measure(ops, type_name: str, shape: tuple[int, int], rows: list[int], reps: int
+            ) -> list[tuple[int, float, float]]:
+    """(M, integer GFLOP/s, tiles GFLOP/s) per row count."""
+    out_features, in_features = shape
+    raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
+    type_id = int(GGMLQuantizationType[type_name])
+    integer = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0)
+    tiles = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1)
+    result = []
+    for m in rows:
+        x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
+        best = {"integer": float("inf"), "tiles": float("inf")}
+        for _ in range(reps):                       # alternated: drift hits both alike
+            for name, w in (("integer", integer), ("tiles", tiles)):
+                best[name] = min(best[name], best_seconds(lambda: w.linear(x), 1))
+        flop = 2 * m * out_features * in_features
+        result.append((m, flop / best["integer"] / 1e9, flop / best["tiles"] / 1e9))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256, 512])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    bad = [t for t in args.types if t not in BLOCK_TYPES]
+    if bad:
+        parser.error(f"--types {bad}: choose from {', '.join(BLOCK_TYPES)}")
+    if any(m < 1 for m in args.rows) or args.reps < 1:
+        parser.error("--rows and --reps must be >= 1")
+    try:
+        shapes = [parse_shape(s) for s in args.shapes]
+    except ValueError as e:
+        parser.error(str(e))
+    setup_threads(args.threads)
+    ops = cpu_kernels()
+    if ops is None:
+        parser.error("the compiled kernels are not available (KVFORGE_KERNELS=0 or no compiler)")
+    print(hardware_line())
+    rows_out = []
+    for type_name in args.types:
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+        for shape in shapes:
+            if shape[1] % block:           # K-quants: whole super-blocks of 256 only
+                continue
+            for m, integer, tiles in measure(ops, type_name, shape, args.rows, args.reps):
+                rows_out.append([type_name, f"{shape[0]}x{shape[1]}", m, f"{integer:.1f}",
+                                 f"{tiles:.1f}", f"{tiles / integer:.2f}"])
+    print(format_table(["type", "out x in", "rows", "integer GFLOP/s", "tiles GFLOP/s",
+                        "tiles / integer"], rows_out))
+    crossovers = {t: measure_gemm_min_rows(ops, t) for t in args.types}
+    print(format_table(["type", "fp32 tiles from (rows; 0 = never)"],
+                       [[t, r] for t, r in crossovers.items()]))
+    print("SUMMARY gguf_kernels: crossover " + ", ".join(f"{t} {r}" for t, r in crossovers.items())
+          + f" | {hardware_line()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
