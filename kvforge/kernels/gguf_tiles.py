@@ -8,10 +8,11 @@ block once and then run ATen's GEMM. Which wins depends on the machine and on th
 
 - the machine: with MKL on Intel the GEMM runs near the FMA peak; on the AMD CPU the integer
   kernels were tuned on, MKL's GEMM is slow and the tiles lost at every row count;
-- the type: the 32-weight formats (Q4_0, Q4_1, Q5_*, Q8_0) convert and scale a float per 32
-  weights per row, the K-quants once per 256, so their integer kernels run about half as fast
-  and the tiles overtake them at far fewer rows (SmolLM2's Q4_1 on an Intel Xeon with MKL held
-  to AVX2: from ~50 rows, 1.5x at 200; a Q4_K weight: from ~256-512).
+- the type: each format's integer kernel does its own per-block work (scales, mins, fifth
+  bits, signs), so the crossover moves with it (an Intel Xeon with MKL held to AVX2: Q4_1 96,
+  Q8_0 128, Q4_K 64, Q6_K 48 rows; benchmarks/gguf_kernels.py). Timed on one Q4_K probe at
+  256 and 512 rows only, prompts of 64-255 tokens stayed on the slower path (Qwen2.5-1.5B
+  Q4_K_M, 256 tokens: 4.7 s on the integer kernels, 3.55 s on tiles).
 
 So the crossover is measured once per machine and type the first time a model uses the type
 (a synthetic weight of that type, both paths alternated at growing row counts) and cached like
