@@ -22,14 +22,14 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.common import setup_threads
-from benchmarks.hardware import best_seconds, hardware_line
+from benchmarks.hardware import hardware_line
 from benchmarks.report import format_table
 from kvforge.kernels import cpu_kernels
-from kvforge.kernels.gguf_tiles import BLOCK_TYPES, measure_gemm_min_rows, synthetic_blocks
+from kvforge.kernels.gguf_tiles import (BLOCK_TYPES, best_path_seconds, integer_and_tile_weights,
+                                        measure_gemm_min_rows)
 
 # SmolLM2-135M's gate|up and down, Qwen2.5-1.5B's gate|up
 DEFAULT_SHAPES = ("1536x576", "576x1536", "17920x1536")
@@ -48,20 +48,12 @@ def parse_shape(text: str) -> tuple[int, int]:
 def measure(ops, type_name: str, shape: tuple[int, int], rows: list[int], reps: int
             ) -> list[tuple[int, float, float]]:
     """(M, integer GFLOP/s, tiles GFLOP/s) per row count."""
-    out_features, in_features = shape
-    raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
-    type_id = int(GGMLQuantizationType[type_name])
-    integer = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0)
-    tiles = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1)
+    integer, tiles = integer_and_tile_weights(ops, type_name, shape)
     result = []
     for m in rows:
-        x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
-        best = {"integer": float("inf"), "tiles": float("inf")}
-        for _ in range(reps):                       # alternated: drift hits both alike
-            for name, w in (("integer", integer), ("tiles", tiles)):
-                best[name] = min(best[name], best_seconds(lambda: w.linear(x), 1))
-        flop = 2 * m * out_features * in_features
-        result.append((m, flop / best["integer"] / 1e9, flop / best["tiles"] / 1e9))
+        integer_s, tiles_s = best_path_seconds(integer, tiles, m, reps)
+        flop = 2 * m * shape[0] * shape[1]
+        result.append((m, flop / integer_s / 1e9, flop / tiles_s / 1e9))
     return result
 
 

@@ -41,8 +41,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kvforge.kernels.isa import cpu_model_name
 
 ENV_VAR = "KVFORGE_GGUF_GEMM_ROWS"
-# row counts tried, smallest first: the first where the tiles win is the crossover (prefill
-# chunks are 512 rows by default; steps of ~1.5x keep the chosen row within that of the best)
+# row counts tried: the crossover is the smallest from which the tiles win at every larger one
+# (prefill chunks are 512 rows by default; steps of ~1.5x keep the choice within that of the best)
 CANDIDATE_ROWS = (32, 48, 64, 96, 128, 192, 256, 384, 512)
 WIN_MARGIN = 1.10                # the tiles must be this much faster at a row count to take it
 # the block types the integer kernels run (float shards take tiles above 64 rows anyway)
@@ -115,25 +115,38 @@ def measure_gemm_min_rows(ops, type_name: str, shape: tuple[int, int] = _TUNE_SH
     """The smallest of CANDIDATE_ROWS from which tiles beat the integer kernels on a
     ``type_name`` weight by WIN_MARGIN at that and every larger candidate (best of ``reps``
     alternated calls each: one noisy win below the real crossover does not move it), or 0."""
-    out_features, in_features = shape
-    raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
-    type_id = int(GGMLQuantizationType[type_name])
-    integer = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0)
-    tiles = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1)
+    integer, tiles = integer_and_tile_weights(ops, type_name, shape)
     crossover = 0
     for rows in reversed(CANDIDATE_ROWS):
-        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-        best = {"integer": float("inf"), "tiles": float("inf")}
-        integer.linear(x), tiles.linear(x)                    # warm: first-touch, thread pool
-        for _ in range(reps):
-            for name, w in (("integer", integer), ("tiles", tiles)):
-                start = time.perf_counter()
-                w.linear(x)
-                best[name] = min(best[name], time.perf_counter() - start)
-        if best["integer"] < WIN_MARGIN * best["tiles"]:
+        integer_s, tiles_s = best_path_seconds(integer, tiles, rows, reps)
+        if integer_s < WIN_MARGIN * tiles_s:
             break
         crossover = rows
     return crossover
+
+
+def integer_and_tile_weights(ops, type_name: str, shape: tuple[int, int]):
+    """One synthetic ``type_name`` weight [out, in] as two GgufWeights: integer kernels at every
+    row count, and fp32 tiles at every row count."""
+    out_features, in_features = shape
+    raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
+    type_id = int(GGMLQuantizationType[type_name])
+    return (ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0),
+            ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1))
+
+
+def best_path_seconds(integer, tiles, rows: int, reps: int) -> tuple[float, float]:
+    """(integer, tiles) seconds of ``rows`` random activation rows: best of ``reps`` calls
+    each, the two paths alternated (drift hits both alike), after one warm call each."""
+    x = torch.randn(rows, integer.in_features, generator=torch.Generator().manual_seed(rows))
+    best = [float("inf"), float("inf")]
+    integer.linear(x), tiles.linear(x)                    # warm: first-touch, thread pool
+    for _ in range(reps):
+        for i, w in enumerate((integer, tiles)):
+            start = time.perf_counter()
+            w.linear(x)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 @functools.lru_cache(maxsize=None)

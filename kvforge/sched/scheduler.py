@@ -505,6 +505,9 @@ class Scheduler:
         ran (e.g. aborted) are skipped.
         """
         advanced: list[tuple[Request, list[int]]] = []
+        # a multi-step call that ended early (interrupted) ran fewer steps than the policy was
+        # told at scheduling (on_step_scheduled): request_id -> decode steps not run
+        unused: dict[str, int] = {}
         for request in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue
@@ -520,6 +523,8 @@ class Scheduler:
             if (num_computed == request.num_tokens) != bool(tokens):
                 raise ValueError(f"request {request.request_id!r}: sampled {tokens!r} but "
                                  f"computed {num_computed} of {request.num_tokens} tokens")
+            if tokens and len(tokens) < num_ahead + 1:
+                unused[request.request_id] = num_ahead + 1 - len(tokens)
             advanced.append((request, tokens))
         forked: list[tuple[Request, list[int]]] = []
         for child_id in output.forked:
@@ -531,11 +536,6 @@ class Scheduler:
                 raise ValueError(f"forked request {child_id!r} got no sampled token")
             forked.append((child, tokens))
 
-        # a multi-step call that ended early (interrupted) ran fewer steps than the policy was
-        # told at scheduling (on_step_scheduled)
-        unused = {request.request_id: _num_ahead(output, request.request_id) + 1 - len(tokens)
-                  for request, tokens in advanced
-                  if tokens and _num_ahead(output, request.request_id) + 1 > len(tokens)}
         if unused:
             self.waiting.on_decode_steps_unused(unused)
         now = time.monotonic()
