@@ -13,6 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file, HF directory or catalogue name "
                    "(kvforge models; default: smollm2-135m-instruct)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device: cpu (default, the compiled "
+                   "kernels), cuda, cuda:1, ... (PyTorch ops; README 'Other devices')")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool budget, e.g. 512MiB, 2GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     g.add_argument("--block-size", type=int, default=16)
@@ -102,7 +104,8 @@ def parse_quantization_args(items: list[str] | None) -> dict[str, Any] | None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    return dict(model=args.model, dtype=args.dtype, device=args.device,
+                kv_cache_memory=args.kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,

@@ -23,11 +23,30 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
+def _check_device(name) -> None:
+    """A device string torch parses and this machine has (an error naming it otherwise, before
+    any weight is read)."""
+    import torch
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {name!r} is not a torch device ({e})") from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(f"device {name!r}: no {device.type} device is available here")
+    if device.index is not None and hasattr(backend, "device_count") \
+            and device.index >= backend.device_count():
+        raise ValueError(f"device {name!r}: this machine has {backend.device_count()} "
+                         f"{device.type} device(s)")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None             # GGUF file or HF directory; None = default SmolLM2
     dtype: str = "float32"               # compute dtype; fp32 is the fast path on CPU
-    device: str = "cpu"
+    device: str = "cpu"                  # a torch device: cpu (the tuned path), cuda, cuda:1, ...
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # overrides kv_cache_memory
     kv_cache_memory: int | str = "1GiB"  # budget for the paged KV pool
@@ -116,6 +135,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _check_device(self.device)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

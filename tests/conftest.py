@@ -23,9 +23,16 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory, default_model_path) -> str:
-    """SmolLM2's tokenizer saved as an HF directory, shared by the tiny random models."""
+def tokenizer_dir(tmp_path_factory) -> str:
+    """SmolLM2's tokenizer saved as an HF directory, shared by the tiny random models (or
+    ``KVFORGE_TEST_TOKENIZER_DIR``, such a directory saved earlier: for machines that run the
+    device tests without the default model's package)."""
     from transformers import AutoTokenizer
+    saved = os.environ.get("KVFORGE_TEST_TOKENIZER_DIR")
+    if saved:
+        return saved
+    from kvforge.loader.default_model import default_model_path as find
+    default_model_path = find()
     d = tmp_path_factory.mktemp("smol_tokenizer")
     tok = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
                                         gguf_file=os.path.basename(default_model_path))

@@ -27,6 +27,9 @@ def test_bad_model_path_is_a_clean_error(capsys, tmp_path):
     rc = main(["generate", "x", "--model", str(tmp_path / "missing")])
     assert rc == 2
     assert "missing" in capsys.readouterr().err
+    rc = main(["generate", "x", "--model", str(tmp_path / "missing"), "--device", "gpu0"])
+    assert rc == 2
+    assert "'gpu0' is not a torch device" in capsys.readouterr().err
 
 
 def test_chat_keeps_the_conversation_and_replies_like_the_api(tiny_model_factory, capsys,

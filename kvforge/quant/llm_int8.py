@@ -43,10 +43,12 @@ class LLMInt8LinearMethod(UnquantizedLinearMethod):
             raise ValueError(f"int8 rows of shape {tuple(loaded.shape)} do not fit a linear layer "
                              f"with input_size {layer.input_size}")
         if not hasattr(layer, "qweight_t"):
-            take_float_weight(layer)
+            placeholder = take_float_weight(layer)
+            device = placeholder.device if placeholder is not None else torch.device("cpu")
             n, k = layer.output_size, layer.input_size
-            layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8), requires_grad=False)
-            layer.weight_scale = nn.Parameter(torch.zeros(n), requires_grad=False)
+            layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8, device=device),
+                                           requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.zeros(n, device=device), requires_grad=False)
         rows = slice(output_offset, output_offset + loaded.shape[0])
         layer.qweight_t[:, rows] = loaded.q.t()
         layer.weight_scale[rows] = loaded.scale.float()

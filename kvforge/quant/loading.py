@@ -52,7 +52,11 @@ def apply_quantization(model: torch.nn.Module, quant_config: QuantizationConfig)
                 del layer._parameters[name]
         layer.bias = None
         layer.method = method
-        method.create_weights(layer, dtype, device)
+        try:
+            method.create_weights(layer, dtype, device)
+        except ValueError as refusal:       # e.g. a CPU-kernel format on another device
+            raise ValueError(f"quantization {quant_config.name!r}, layer {prefix!r}: "
+                             f"{refusal}") from None
         swapped += 1
     # a tied float head reads the embedding tensor; a quantized one loads its own copy from it
     if getattr(model, "_head_shares_embedding", False) and \

@@ -51,8 +51,10 @@ class SmoothQuantLinearMethod(CalibratedLinearMethod):
 
     def install(self, layer, scales, dtype):
         n, k = layer.output_size, layer.input_size
-        layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8), requires_grad=False)
-        layer.weight_scale = nn.Parameter(torch.zeros(n), requires_grad=False)
+        layer.qweight_t = nn.Parameter(torch.zeros(k, n, dtype=torch.int8, device=scales.device),
+                                       requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.zeros(n, device=scales.device),
+                                          requires_grad=False)
         layer.smooth_inv_scale = nn.Parameter(1.0 / scales, requires_grad=False)
 
     def load_rows(self, layer, rows, output_offset):

@@ -13,11 +13,14 @@ quantized value never overflows):
 
 ``torch._int_mm`` on CPU (torch >= 2.4) takes any [M, K] x [K, N] int8 pair and accumulates in
 int32 (checked for odd shapes such as 5x7x3 in tests/quant/test_w8a8_ops.py), so no padding is
-needed. An int32 accumulator cannot overflow here: |acc| <= K * 127 * 127, < 2^31 for K < 133k.
+needed there; cuBLAS (CUDA) takes only M > 16 and M, K, N multiples of 8, so ``int_mm`` pads
+with zeros elsewhere. An int32 accumulator cannot overflow here: |acc| <= K * 127 * 127, < 2^31
+for K < 133k.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 INT8_MAX = 127
 
@@ -39,10 +42,32 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, x_scale
 
 
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], exact on any device."""
+    return torch._int_mm(a, b) if a.is_cpu else padded_int_mm(a, b)
+
+
+def padded_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``int_mm`` with the operands padded with zero rows / columns up to cuBLAS's shapes
+    (M >= 24, every dimension a multiple of 8); zeros add nothing to a sum, and the padding is
+    sliced off. cuBLASLt's int8 GEMM takes only a row-major ``a`` and a column-major ``b`` (its
+    "TN" layout), so ``b`` goes in as the transpose of a contiguous [Np, Kp]:
+
+        a [M, K] -> [Mp, Kp]    b [K, N] -> [Kp, Np] column-major    result [Mp, Np] -> [:M, :N]
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    mp, kp, np_ = max(24, -(-m // 8) * 8), -(-k // 8) * 8, -(-n // 8) * 8
+    if (mp, kp, np_) != (m, k, n):
+        a = F.pad(a, (0, kp - k, 0, mp - m))
+        b = F.pad(b, (0, np_ - n, 0, kp - k))
+    return torch._int_mm(a.contiguous(), b.t().contiguous().t())[:m, :n]
+
+
 def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq_t: torch.Tensor,
                 w_scale: torch.Tensor) -> torch.Tensor:
     """(xq [T, in] int8, x_scale [T]) x (Wq_t [in, out] int8, w_scale [out]) -> fp32 [T, out]."""
-    acc = torch._int_mm(xq, wq_t)                       # int32 [T, out]
+    acc = int_mm(xq, wq_t)                              # int32 [T, out]
     return acc.float().mul_(x_scale[:, None]).mul_(w_scale[None, :])
 
 

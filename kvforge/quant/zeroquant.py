@@ -39,7 +39,7 @@ from kvforge.quant.base import is_lm_head, register_quantization, weight_shard_r
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import register_row_format
-from kvforge.quant.w8a8_ops import INT8_MAX
+from kvforge.quant.w8a8_ops import INT8_MAX, int_mm
 
 ZEROQUANT_GROUP_SIZES = (0, 32, 64, 128, 256)
 # fp32 holds every integer below 2^24 exactly; a group's int8 x int8 dot product is at most
@@ -51,9 +51,10 @@ def group_int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """Per-group integer products: xq [ng, T, G] int8, wq [ng, G, n] int8 -> [ng, T, n] fp32
     holding the exact int32 sums. ``torch._int_mm`` where it is faster than fp32 on this CPU
     (``int_mm_pays``), else an fp32 batched GEMM of the int8 values, exact for G <= 1024 and
-    done in exact slabs of 1024 for wider (per-channel) groups: the same numbers either way."""
-    if int_mm_pays():
-        return torch.stack([torch._int_mm(xq[g], wq[g]) for g in range(xq.shape[0])]).float()
+    done in exact slabs of 1024 for wider (per-channel) groups: the same numbers either way.
+    Off the CPU: the fp32 GEMM (the one-off CPU timing says nothing about that device)."""
+    if xq.is_cpu and int_mm_pays():
+        return torch.stack([int_mm(xq[g], wq[g]) for g in range(xq.shape[0])]).float()
     width = xq.shape[-1]
     if width <= EXACT_FP32_GROUP:
         return torch.bmm(xq.float(), wq.float())

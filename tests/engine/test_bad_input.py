@@ -69,3 +69,15 @@ def test_corrupt_gguf(tmp_path, default_model_path):
 def test_unknown_engine_argument():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(None, max_num_seq=4)
+
+
+def test_device_that_is_not_there_or_not_a_device():
+    import torch
+    from kvforge.config import EngineConfig
+    with pytest.raises(ValueError, match="'gpu0' is not a torch device"):
+        EngineConfig(device="gpu0")
+    missing = "cuda:7" if torch.cuda.is_available() else "cuda"
+    if torch.cuda.device_count() <= 7:
+        with pytest.raises(ValueError, match=f"device '{missing}'"):
+            EngineConfig(device=missing)
+    assert EngineConfig(device="cpu").device == "cpu"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.quant.w8a8_ops import (dequantize_weight, int8_matmul, quantize_per_token,
-                                    quantize_weight_per_channel)
+from kvforge.quant.w8a8_ops import (dequantize_weight, int8_matmul, padded_int_mm,
+                                    quantize_per_token, quantize_weight_per_channel)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 64), (5, 7, 3), (17, 96, 33), (32, 576, 128)])
@@ -16,6 +16,9 @@ def test_int_mm_is_exact_int32_accumulation_for_any_shape(m, k, n):
     out = torch._int_mm(a, b)
     assert out.dtype == torch.int32
     assert torch.equal(out.long(), a.long() @ b.long())
+    # the zero-padded form other devices take (cuBLAS shapes), run here on the CPU
+    padded = padded_int_mm(a, b)
+    assert padded.shape == (m, n) and torch.equal(padded, out)
 
 
 def test_weight_quantization_error_is_half_a_step_per_row():
