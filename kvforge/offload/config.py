@@ -50,7 +50,9 @@ def validate_offload_args(config) -> None:
         raise ValueError(f"offloading preempts by recompute (its disk-KV layers' blocks are "
                          f"not in the RAM pools a swap copies); got preemption_mode="
                          f"{config.preemption_mode!r}")
-    if config.quantization not in ("auto", "none", None, ""):
-        raise ValueError(f"offloading streams fp32 weights (quantization 'none'); got "
+    if config.quantization not in ("auto", "none", "gguf", None, ""):
+        raise ValueError(f"offloading streams fp32 weights (quantization 'none') or a GGUF "
+                         f"file's own blocks ('auto' / 'gguf'); got "
                          f"quantization={config.quantization!r}")
-    config.quantization = "none"
+    if not config.quantization:
+        config.quantization = "none"

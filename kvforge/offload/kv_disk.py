@@ -70,6 +70,9 @@ class DiskKVLayer:
             # unaligned blocks cannot be read directly: buffered I/O + page-cache eviction
             os.close(self.fd)
             self.fd, self.direct = os.open(path, os.O_RDWR), False
+        # the open descriptor keeps the file; its name goes now, so the disk space returns
+        # when the process ends however it ends (an engine never shut down, a kill)
+        os.unlink(path)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -116,7 +119,3 @@ class DiskKVLayer:
 
     def close(self) -> None:
         os.close(self.fd)
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass

@@ -13,7 +13,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.offload.block_layer import block_layer_forward
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.weight_store import WeightStore
+from kvforge.offload.weight_store import WeightStore, release_layer
 
 BLOCK_POINTS = (1, 2, 4, 8, 16, 32)     # batches per block timed (the cost model interpolates)
 
@@ -67,6 +67,5 @@ def time_layer_blocks(skeleton, store: WeightStore, batch_size: int, seq_len: in
             block_layer_forward(layer, hidden, hidden, rotary, cos, sin, attend)
             times.append(time.perf_counter() - start)
         out.append((n, sorted(times[1:])[reps // 2]))
-    for p in layer.parameters():          # drop the temporary buffer (the step binds again)
-        p.data = torch.empty(0, dtype=p.dtype)
+    release_layer(layer)                  # drop the temporary buffer (the step binds again)
     return tuple(out)

@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import shutil
 
 import torch
 
@@ -26,7 +27,8 @@ from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_po
 from kvforge.offload.store_builder import ensure_store
 from kvforge.offload.streamed_model import OffloadedLM, bound_heap
 from kvforge.offload.trace import TraceRecorder
-from kvforge.offload.weight_store import WeightStore, store_key
+from kvforge.offload.weight_store import WeightStore, release_layer, store_key
+from kvforge.quant.loading import auto_quantization, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +37,48 @@ PLANNED_SEQ_LEN_MAX = 512     # KV planned per sequence when max_model_len is th
 
 def model_facts(skeleton, store: WeightStore) -> ModelFacts:
     cfg = skeleton.config
-    layer_params = sum(_numel(e["shape"]) for e in store.layers[0]["tensors"])
+    layer_params = sum(e.get("params", _numel(e["shape"])) for e in store.layers[0]["tensors"])
     vocab, hidden = store.head["shape"]
     rotary = skeleton.model.rotary_emb
     fixed = sum(b.numel() * b.element_size() for b in rotary.buffers())
     fixed += 4 * hidden * (2 * skeleton.num_layers + 1)             # the norms
     return ModelFacts(
         num_layers=skeleton.num_layers, layer_bytes=store.layer_bytes, layer_params=layer_params,
-        head_bytes=store.head_bytes, head_params=vocab * hidden, stage_bytes=store.layer_bytes,
+        head_bytes=store.head_bytes, head_params=vocab * hidden, stage_bytes=store.stage_bytes,
         hidden_size=hidden, intermediate_size=cfg.intermediate_size, vocab_size=vocab,
         kv_bytes_per_token_layer=skeleton.kv_cache_bytes_per_token() // skeleton.num_layers,
         fixed_bytes=fixed)
+
+
+def remove_stale_kv_dirs(offload_dir: str) -> None:
+    """Remove ``kv-<pid>`` directories of processes no longer running (left by versions that
+    kept the KV files' names until shutdown)."""
+    try:
+        names = os.listdir(offload_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        pid = name.removeprefix("kv-")
+        if not name.startswith("kv-") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(offload_dir, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _numel(shape) -> int:
@@ -62,6 +95,7 @@ class OffloadModelRunner(ModelRunner):
         super().__init__(config, source, max_model_len)
         # disk-KV layers: their pool is a file; the RAM tensors of those layers stay untouched
         # (anonymous pages never written cost nothing)
+        remove_stale_kv_dirs(config.offload_dir_path)
         kv_dir = os.path.join(config.offload_dir_path, f"kv-{os.getpid()}")
         os.makedirs(kv_dir, exist_ok=True)
         block_shape = tuple(self.kv_caches[0].shape[2:])
@@ -77,7 +111,7 @@ class OffloadModelRunner(ModelRunner):
             j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), slots.capacity,
                            block_shape, self.kv_caches[0].dtype)
             for j in disk_layers}, slots)
-        self._kv_dir = kv_dir
+        _remove_dir(kv_dir)             # the layers' files are unlinked once open (kv_disk.py)
         # at shutdown, or at exit for callers that never shut the engine down (kvforge generate)
         self._trace_written = False
         if config.offload_trace:
@@ -85,15 +119,34 @@ class OffloadModelRunner(ModelRunner):
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         config = self.config
+        # a GGUF file streams its own blocks where they run natively (as --quantization auto
+        # would run it in memory); anything else, and quantization "none", fp32 rows
+        quantization = "none"
+        if config.quantization in ("auto", "gguf") and \
+                auto_quantization(source, self.dtype, self.device) == "gguf":
+            quantization = "gguf"
+        elif config.quantization == "gguf":
+            raise ValueError("offloading with quantization 'gguf' needs a GGUF file and the "
+                             "compiled CPU kernels")
+        config.quantization = quantization
         directory = os.path.join(config.offload_dir_path,
-                                 f"store-{store_key(source.path, 'none', config.dtype)}")
-        built = ensure_store(source.path, directory, config.dtype)
+                                 f"store-{store_key(source.path, quantization, config.dtype)}")
+        built = ensure_store(source.path, directory, config.dtype, quantization)
         if built:
             logger.info("offload: weight store built in %.1f s at %s", built, directory)
         store = WeightStore(directory)
-        skeleton = get_model_class(source.config.architecture)(
-            source.config, attn_backend=config.attention_backend, dtype=self.dtype,
-            device=self.device)
+        if quantization == "gguf":
+            # the layers' block layout (types, shards) comes from the file; its bytes are
+            # dropped at once (the map, and the RAM copies of llama.cpp-ordered q/k rows)
+            skeleton = load_model(source, quantization="gguf",
+                                  attn_backend=config.attention_backend, dtype=self.dtype,
+                                  device=self.device)
+            for layer in skeleton.model.layers:
+                release_layer(layer)
+        else:
+            skeleton = get_model_class(source.config.architecture)(
+                source.config, attn_backend=config.attention_backend, dtype=self.dtype,
+                device=self.device)
         skeleton.requires_grad_(False)
         hw, measured = load_or_measure(config.offload_dir_path)
         logger.info("offload: disk tier %.0f MB/s direct reads (%s, %s)",
@@ -153,7 +206,3 @@ class OffloadModelRunner(ModelRunner):
     def shutdown(self) -> None:
         self._write_trace()
         self.model.close()
-        try:
-            os.rmdir(self._kv_dir)
-        except OSError:
-            pass

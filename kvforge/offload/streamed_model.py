@@ -36,7 +36,8 @@ from kvforge.offload.policy import Placement
 from kvforge.offload.schedule import group_batches, split_batches, walks_forward, zigzag_order
 from kvforge.offload.store_worker import StoreWorker
 from kvforge.offload.trace import TraceRecorder
-from kvforge.offload.weight_store import WeightStore
+from kvforge.offload.weight_store import WeightStore, release_layer
+from kvforge.quant.gguf import blocks_multiply
 
 
 @dataclass
@@ -98,9 +99,9 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         self.placement = placement
         self.trace = trace or TraceRecorder()
         model = skeleton.model
-        # the skeleton's tables were never touched (torch.empty): drop them for good
+        # the skeleton's tables (never touched, or a GGUF file's map): the store serves them
         model.embed_tokens = None
-        skeleton.lm_head.weight = None
+        release_layer(skeleton.lm_head)
         model.norm.weight.data = store.read_norm()
         self._resident_buffers = []
         self.resident_layers = set(placement.resident_layers)
@@ -110,7 +111,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
             store.bind_layer(model.layers[j], j, buf.tensor)
             self._resident_buffers.append(buf)
         self.head_chunks = store.head_chunks(store.layer_bytes)
-        self.loader = StageLoader(store.layer_bytes, placement.slots, placement.overlap,
+        self.loader = StageLoader(store.stage_bytes, placement.slots, placement.overlap,
                                   self.trace)
         self.kv_disk: dict[int, DiskKVLayer] = {}
         self.kv_slots: DiskSlotMap | None = None
@@ -315,11 +316,14 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         for i, chunk in enumerate(self.head_chunks):
             slot = self.loader.acquire(f"head {i}")
-            w = self.store.head_chunk_tensor(chunk, slot.tensor)
+            w = self.store.head_chunk_weight(chunk, slot.tensor)
             start = self.trace.now()
-            y = kernel_ops.linear_rows(x, w)
-            if y is None:
-                y = torch.nn.functional.linear(x, w)
+            if isinstance(w, torch.Tensor):
+                y = kernel_ops.linear_rows(x, w)
+                if y is None:
+                    y = torch.nn.functional.linear(x, w)
+            else:                                       # GGUF block rows
+                y = blocks_multiply(w, x, None)
             logits[:, chunk.row_start:chunk.row_end] = y
             self.trace.add("compute", f"head {i}", start, self.trace.now())
             self.loader.release(slot)

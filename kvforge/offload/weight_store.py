@@ -1,11 +1,17 @@
 """The disk tier's weights: one file per decoder layer holding that layer's tensors in their
-storage format (whatever its linear methods keep: fp32 rows, int8 codes + scales, ...), each
-tensor at a 4 KiB-aligned offset so a layer is one direct read; the embedding table (which is
-the LM head when tied) as one row-major file; ``manifest.json`` last (a store without it is
-incomplete and is rebuilt).
+storage format (fp32 rows, or a GGUF file's own blocks: the ``gguf_raw_i`` buffers of
+``quant/gguf.py``), each tensor at a 4 KiB-aligned offset so a layer is one direct read; the
+embedding table (which is the LM head when tied) as one row-major file, fp32 rows or GGUF
+block rows; ``manifest.json`` last (a store without it is incomplete and is rebuilt).
 
-Reading binds a layer: its module's parameters become views into the buffer just read, so the
-layer's own forward runs unchanged on streamed weights."""
+Reading binds a layer: its module's parameters and buffers become views into the buffer just
+read (a linear method with a compiled weight over them, GGUF's, rebuilds it: ``rebind``), so
+the layer's own forward runs unchanged on streamed weights.
+
+    manifest entry of a matrix (embedding / head)
+      fp32:  {"file", "dtype": "float32", "shape": [vocab, hidden]}
+      GGUF:  {"file", "dtype": "uint8", "shape": [vocab, hidden], "gguf_type": "Q6_K",
+              "row_bytes": bytes of one row's blocks}"""
 from __future__ import annotations
 
 import hashlib
@@ -46,6 +52,33 @@ def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[dict], int]:
     return entries, max(offset, ALIGN)
 
 
+def _logical_params(layer: nn.Module) -> dict[str, int]:
+    """Weights each GGUF raw buffer stands for (its bytes are not its parameter count)."""
+    params = {}
+    for mod_name, module in layer.named_modules():
+        for i, b in enumerate(getattr(module, "gguf_blocks", None) or []):
+            name = f"{mod_name}.gguf_raw_{i}" if mod_name else f"gguf_raw_{i}"
+            params[name] = b.shape[0] * b.in_features
+    return params
+
+
+def _methods(layer: nn.Module):
+    for module in layer.modules():
+        method = getattr(module, "method", None)
+        if method is not None:
+            yield module, method
+
+
+def release_layer(layer: nn.Module) -> None:
+    """Drop a bound layer's bytes until it is bound again (its parameters become empty; GGUF
+    layers keep their blocks' layout): what a streamed layer holds between its reads."""
+    for p in layer.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+    for module, method in _methods(layer):
+        if hasattr(method, "release"):
+            method.release(module)
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -63,20 +96,23 @@ def build_store(model: nn.Module, directory: str, info: dict | None = None) -> N
     manifest: dict = {"version": STORE_VERSION, "info": info or {}, "layers": []}
     for j, layer in enumerate(model.model.layers):
         entries, size = _layout(layer_tensors(layer))
+        logical = _logical_params(layer)
+        for e in entries:
+            e["params"] = logical.get(e["name"], _numel(e["shape"]))
         name = f"layer_{j:04d}.bin"
         tensors = dict(layer_tensors(layer))
         write_file(os.path.join(directory, name),
                    [(e["offset"], _raw(tensors[e["name"]])) for e in entries], size)
         manifest["layers"].append({"file": name, "nbytes": size, "tensors": entries})
-    embed = model.model.embed_tokens.weight
+    embed, embed_entry = _matrix_of(model.model.embed_tokens)
     _write_matrix(directory, "embed.bin", embed)
-    manifest["embedding"] = _matrix_entry("embed.bin", embed)
-    head = model.lm_head.weight
+    manifest["embedding"] = {"file": "embed.bin", **embed_entry}
+    head, head_entry = _matrix_of(model.lm_head)
     if head.data_ptr() == embed.data_ptr() and head.shape == embed.shape:
         manifest["head"] = manifest["embedding"]
     else:
         _write_matrix(directory, "head.bin", head)
-        manifest["head"] = _matrix_entry("head.bin", head)
+        manifest["head"] = {"file": "head.bin", **head_entry}
     norm = model.model.norm.weight
     _write_matrix(directory, "norm.bin", norm.reshape(1, -1))
     manifest["norm"] = _matrix_entry("norm.bin", norm.reshape(1, -1))
@@ -84,6 +120,27 @@ def build_store(model: nn.Module, directory: str, info: dict | None = None) -> N
     with open(tmp, "w") as f:
         json.dump(manifest, f)
     os.replace(tmp, os.path.join(directory, MANIFEST))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _matrix_of(module: nn.Module) -> tuple[torch.Tensor, dict]:
+    """(the rows to write, their manifest fields) of an embedding / head module: its fp32
+    weight, or the raw rows of its single GGUF shard."""
+    blocks = getattr(module, "gguf_blocks", None)
+    if blocks is None:
+        w = module.weight
+        return w, {"dtype": str(w.dtype).removeprefix("torch."), "shape": list(w.shape)}
+    if len(blocks) != 1:
+        raise ValueError(f"an offloaded embedding / head is one GGUF tensor, got {len(blocks)}")
+    b = blocks[0]
+    return b.raw, {"dtype": "uint8", "shape": [b.shape[0], b.in_features],
+                   "gguf_type": b.type_name, "row_bytes": b.raw.shape[1]}
 
 
 def _write_matrix(directory: str, name: str, t: torch.Tensor) -> None:
@@ -122,9 +179,8 @@ class WeightStore:
         self._files: dict[str, DiskFile] = {
             name: DiskFile(os.path.join(directory, name))
             for name in dict.fromkeys([e["file"] for e in self.layers] + [self.head["file"]])}
-        self.dtype = getattr(torch, self.head["dtype"])
-        vocab, hidden = self.head["shape"]
-        self.head_row_bytes = hidden * torch.empty((), dtype=self.dtype).element_size()
+        self.head_row_bytes = _row_bytes(self.head)
+        self.embed_row_bytes = _row_bytes(self.embedding)
         # embedding rows are small random reads: buffered, then dropped from the page cache
         self._embed_fd = os.open(os.path.join(directory, self.embedding["file"]), os.O_RDONLY)
         self.embed_bytes_read = 0
@@ -147,6 +203,12 @@ class WeightStore:
     @property
     def layer_bytes(self) -> int:
         return max(layer["nbytes"] for layer in self.layers)
+
+    @property
+    def stage_bytes(self) -> int:
+        """A loader slot: a layer, or a head chunk (at least one aligned group of rows: 1,024
+        rows of GGUF blocks whose row bytes are 4 mod 8, more than a tiny model's layer)."""
+        return max(self.layer_bytes, max(c.nbytes for c in self.head_chunks(self.layer_bytes)))
 
     @property
     def head_bytes(self) -> int:
@@ -176,23 +238,27 @@ class WeightStore:
         n = min(chunk.nbytes, size - chunk.offset)
         f.read_into(buf[:n], chunk.offset)
 
-    def head_chunk_tensor(self, chunk: HeadChunk, buf: torch.Tensor) -> torch.Tensor:
-        _, hidden = self.head["shape"]
+    def head_chunk_weight(self, chunk: HeadChunk, buf: torch.Tensor):
+        """The chunk's rows as read into ``buf``: an fp32 [rows, hidden] tensor, or for GGUF
+        rows what multiplies by them (``quant/gguf.blocks_weight``)."""
         n = chunk.row_end - chunk.row_start
-        return buf[:n * self.head_row_bytes].view(self.dtype).view(n, hidden)
+        return _rows_weight(self.head, buf[:n * self.head_row_bytes].view(n, self.head_row_bytes),
+                            f"head rows {chunk.row_start}..{chunk.row_end}")
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] rows read from the embedding file."""
-        _, hidden = self.embedding["shape"]
-        rb = self.head_row_bytes
+        """[T] token ids -> [T, hidden] fp32 rows read from the embedding file."""
+        rb = self.embed_row_bytes
         unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = torch.empty(len(unique), hidden, dtype=self.dtype)
-        raw = rows.view(torch.uint8).numpy().reshape(len(unique), rb)
+        raw = torch.empty(len(unique), rb, dtype=torch.uint8)
+        dest = raw.numpy()
         for i, tok in enumerate(unique.tolist()):
             data = os.pread(self._embed_fd, rb, tok * rb)
-            raw[i] = memoryview(data)
+            dest[i] = memoryview(data)
             os.posix_fadvise(self._embed_fd, tok * rb, rb, os.POSIX_FADV_DONTNEED)
         self.embed_bytes_read += len(unique) * rb
+        rows = _rows_weight(self.embedding, raw, "embedding rows")
+        if not isinstance(rows, torch.Tensor):          # GGUF blocks: only these rows, to fp32
+            rows = rows.dequantize(None)
         return rows[inverse]
 
     def read_norm(self) -> torch.Tensor:
@@ -216,12 +282,31 @@ class WeightStore:
                 module._buffers[attr] = view
             else:
                 raise ValueError(f"store tensor {e['name']!r} has no place in layer {j}")
+        for module, method in _methods(layer):
+            if hasattr(method, "rebind"):
+                method.rebind(module)
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
         os.close(self._embed_fd)
+
+
+def _row_bytes(entry: dict) -> int:
+    if "row_bytes" in entry:
+        return int(entry["row_bytes"])
+    return entry["shape"][1] * torch.empty((), dtype=getattr(torch, entry["dtype"])).element_size()
+
+
+def _rows_weight(entry: dict, raw: torch.Tensor, name: str):
+    """Rows of a matrix entry from their bytes ``raw`` [rows, row bytes] (uint8): fp32 rows
+    (a view), or GGUF block rows as ``quant/gguf.blocks_weight`` (the compiled weight)."""
+    hidden = entry["shape"][1]
+    if "gguf_type" not in entry:
+        return raw.view(getattr(torch, entry["dtype"])).view(raw.shape[0], hidden)
+    from kvforge.quant.gguf import GGUFBlocks, blocks_weight
+    return blocks_weight([GGUFBlocks(raw, entry["gguf_type"], hidden, name)], hidden)
 
 
 def _gcd(a: int, b: int) -> int:

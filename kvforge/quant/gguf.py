@@ -176,12 +176,32 @@ class GGUFLinearMethod(LinearMethod):
         blocks = [b for _, b in shards]
         for i, b in enumerate(blocks):      # visible to state inspection, never saved
             layer.register_buffer(f"gguf_raw_{i}", b.raw, persistent=False)
+        self._install(layer, blocks)
+
+    def _install(self, layer, blocks: list[GGUFBlocks]) -> None:
         layer.gguf_blocks = blocks
         # the compiled weight (csrc/gguf_weight.cpp): also what DecodeStack multiplies by
         weight = blocks_weight(blocks, layer.input_size)
         dense = isinstance(weight, torch.Tensor)
         self.kernel_weight = None if dense else weight
         self._dense = weight if dense else None
+
+    def rebind(self, layer) -> None:
+        """The layer's ``gguf_raw_i`` buffers now hold other bytes of the same layout (a layer
+        the offload store read from disk, kvforge/offload/weight_store.py): multiply by those."""
+        self._install(layer, [GGUFBlocks(layer._buffers[f"gguf_raw_{i}"], b.type_name,
+                                         b.in_features, b.name)
+                              for i, b in enumerate(layer.gguf_blocks)])
+
+    def release(self, layer) -> None:
+        """Drop the layer's bytes (the file's map, or RAM copies of reordered rows) and keep
+        only its layout, until ``rebind``: an offloaded layer between its reads."""
+        for i, b in enumerate(layer.gguf_blocks):
+            layer._buffers[f"gguf_raw_{i}"] = torch.empty(0, b.raw.shape[1], dtype=torch.uint8)
+        layer.gguf_blocks = [GGUFBlocks(layer._buffers[f"gguf_raw_{i}"], b.type_name,
+                                        b.in_features, b.name)
+                             for i, b in enumerate(layer.gguf_blocks)]
+        self.kernel_weight = self._dense = None
 
     def apply(self, layer, x):
         weight = self._dense if self._dense is not None else self.kernel_weight

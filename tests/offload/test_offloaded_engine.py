@@ -188,3 +188,24 @@ def test_trace_file_written_at_shutdown(tiny_dir, offload_dir, tmp_path):
     llm.engine.shutdown()
     lanes = {e["cat"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
     assert lanes == {"load", "compute", "store"}
+
+
+def test_disk_kv_files_leave_no_name_behind(tiny_dir, tmp_path):
+    """The KV files are unlinked once open (their space returns when the process ends, shut
+    down or not), and a dead process's leftover kv-<pid> directory is removed at start."""
+    import os
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"kv-{dead}"
+    stale.mkdir()
+    (stale / "layer_0000.kv").write_bytes(b"\0" * 4096)
+    llm = offloaded(tiny_dir, str(tmp_path), offload_policy="w=0,kv=0", offload_batch_size=2,
+                    offload_block_batches=2)
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    assert len(llm.engine.runner.model.kv_disk) == 4
+    assert not stale.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("kv-")]
+    llm.engine.shutdown()
