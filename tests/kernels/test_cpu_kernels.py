@@ -332,6 +332,35 @@ def test_paged_decode_attention_few_tasks(compiled, threads, lens, dim):
         torch.testing.assert_close(out[s].double(), ref, rtol=1e-4, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("length", [40, 300, 600, 1000])
+def test_paged_decode_attention_row_is_batch_invariant(compiled, threads, length):
+    """A query row gives the same bits alone and beside any other rows: its chunks (and so its
+    rounding) follow its own length, not the batch's. This is what makes speculative
+    verification rows equal to decoding the same tokens one at a time."""
+    g = torch.Generator().manual_seed(length + threads)
+    kv_heads, heads, block_size, dim = 3, 9, 16, 64
+    others = [[5], [length + 1, length + 2, length + 3], [1000] * 6, [17, 600]]
+    per_seq = -(-1003 // block_size)
+    rows = 1 + max(len(o) for o in others)
+    cache = torch.randn(2, rows * per_seq, block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(rows * per_seq, generator=g).view(rows, per_seq)
+    q = torch.randn(rows, heads, dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = compiled.paged_decode_attention(q[:1], cache[0], cache[1], table[:1],
+                                                torch.tensor([length]), 0.2)
+        for other in others:
+            n = 1 + len(other)
+            out = compiled.paged_decode_attention(q[:n], cache[0], cache[1], table[:n],
+                                                  torch.tensor([length, *other]), 0.2)
+            assert torch.equal(out[0], alone[0]), f"row of {length} keys beside {other}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fallback_when_disabled(monkeypatch):
     """Kernels off (KVFORGE_KERNELS=0 or no compiler): the ops still compute the right thing."""
     monkeypatch.setattr(kernels, "_module", None)

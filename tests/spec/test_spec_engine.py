@@ -94,6 +94,24 @@ def test_draft_model_is_its_own_target_accepts_everything(tiny):
     assert stats.mean_accepted_length > 3.0
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ngram_on_native_gguf_blocks_is_token_identical(default_model_path, batch):
+    """On the GGUF file's own blocks (8-bit activations, integer dots) verification rows give
+    the bits decoding the same tokens one at a time gives (row-invariant projections and
+    attention), so speculation changes no token, not even at near ties."""
+    prompts = _prompts()[:batch]
+    base, _, engine = _run(default_model_path, prompts=prompts, max_model_len=256,
+                           params=SamplingParams(temperature=0.0, max_tokens=48,
+                                                 ignore_eos=True))
+    assert engine.runner.model.quant_config.name == "gguf"
+    tokens, _, engine = _run(default_model_path, prompts=prompts, max_model_len=256,
+                             params=SamplingParams(temperature=0.0, max_tokens=48,
+                                                   ignore_eos=True),
+                             speculative_method="ngram", num_speculative_tokens=4)
+    assert engine.spec_stats.num_proposed > 0
+    assert tokens == base
+
+
 def test_stop_token_inside_accepted_run_truncates(tiny):
     path, baseline = tiny
     # stop at a token the baseline emits late in some output: outputs end exactly there

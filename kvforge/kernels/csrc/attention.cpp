@@ -17,7 +17,10 @@ namespace {
 
 // Keys per task. A task reads whole token rows (all KV heads, contiguous in a block) in logical
 // order; long contexts split into several tasks whose partial softmaxes merge at the end
-// (flash-decoding), so even one sequence keeps every thread busy.
+// (flash-decoding), so even one sequence keeps every thread busy. Fixed, so that where a row's
+// chunks start depends on its own length only: a row gives the same bits alone and beside any
+// other rows (batch invariance: speculative verification rows equal decoding the same tokens
+// one at a time, and a request's tokens do not depend on what it is batched with).
 constexpr int64_t kChunk = 256;
 
 using Partial = DecodeAttentionPlan::Partial;
@@ -168,23 +171,19 @@ void merge_partials(const Partial* parts, int64_t num_parts, int64_t heads, int6
 
 DecodeAttentionPlan::DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs,
                                          int64_t heads, int64_t kv_heads, int64_t dim_v,
-                                         int64_t block_size, int threads)
+                                         int threads)
     : seq_lens_(seq_lens), num_seqs_(num_seqs), heads_(heads), group_(heads / kv_heads),
       dim_v_(dim_v) {
   // tasks: (sequence s, head range p, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len))
-  // of heads [p * heads / splits, (p + 1) * heads / splits). kChunk keys, or fewer when there
-  // are fewer sequences than ~2 tasks per thread: batch 1 at 300 tokens would give one thread
-  // 256 keys and the other 44 (whole blocks, >= 64 keys per task). Still fewer tasks than that
-  // (short contexts, batch 1 at 64 tokens: one chunk) split the heads instead, which needs no
-  // merge: without it one thread attended all heads while the other waited.
+  // of heads [p * heads / splits, (p + 1) * heads / splits). Fewer chunk tasks than ~2 per
+  // thread (batch 1 at 64 or 300 tokens: 1 or 2 chunks) split the heads as well; a head's sums
+  // do not depend on which task runs it, so the split keeps the rows' bits. Tasks go to the
+  // threads in contiguous runs, so a row's chunks of one head range share a thread: batch 1 at
+  // 300 tokens gives each thread one head range's 256 + 44 keys, not one thread 256 keys and
+  // the other 44. (Chunks sized to the batch balanced that too, but moved a row's chunk bounds
+  // with the number of rows, and its rounding with them.)
   chunk_ = kChunk;
   const int64_t want_tasks = 2 * static_cast<int64_t>(threads);
-  if (num_seqs > 0 && num_seqs < want_tasks) {
-    const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
-    const int64_t per_seq = (want_tasks + num_seqs - 1) / num_seqs;
-    const int64_t even = (longest + per_seq - 1) / per_seq;
-    chunk_ = std::clamp<int64_t>((even + block_size - 1) / block_size * block_size, 64, kChunk);
-  }
   chunks_.resize(num_seqs);
   int64_t chunk_tasks = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -230,7 +229,7 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                       float scale, float* out) {
-  DecodeAttentionPlan plan(seq_lens, num_seqs, heads, kv_heads, values.dim, keys.block_size,
+  DecodeAttentionPlan plan(seq_lens, num_seqs, heads, kv_heads, values.dim,
                            at::get_num_threads());
   at::parallel_for(0, plan.num_tasks(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;

@@ -358,7 +358,7 @@ class DecodeStack {
     std::vector<DecodeAttentionPlan> plans;
     plans.reserve(steps);
     for (int64_t s = 0; s < steps; ++s)
-      plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, block_size, threads);
+      plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads);
     // per step: the layers' claims, then the head's
     const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
     std::vector<ShareClaim> claims(steps * step_claims);
@@ -625,7 +625,7 @@ class DecodeStack {
                      opts);
     at::Tensor out = at::empty({n, hidden_}, opts);
     const int threads = at::get_num_threads();
-    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, st.block_size, threads);
+    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, threads);
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);

@@ -189,7 +189,7 @@ struct PagedKV {               // one layer's K or V plane: [num_blocks, block, 
 class DecodeAttentionPlan {
  public:
   DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      int64_t dim_v, int64_t block_size, int threads);
+                      int64_t dim_v, int threads);
   int64_t num_tasks() const { return first_task_.back(); }
   // merge items (sequence, head range); 0 when every sequence fits one chunk (normalised in
   // its task)
