@@ -50,6 +50,11 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
         fixed_bytes=fixed)
 
 
+def _has_gguf_experts(model) -> bool:
+    from kvforge.quant.gguf_experts import GGUFExpertsMethod
+    return any(isinstance(getattr(m, "method", None), GGUFExpertsMethod) for m in model.modules())
+
+
 def remove_stale_kv_dirs(offload_dir: str) -> None:
     """Remove ``kv-<pid>`` directories of processes no longer running (left by versions that
     kept the KV files' names until shutdown)."""
@@ -128,6 +133,27 @@ class OffloadModelRunner(ModelRunner):
         elif config.quantization == "gguf":
             raise ValueError("offloading with quantization 'gguf' needs a GGUF file and the "
                              "compiled CPU kernels")
+        skeleton = None
+        if quantization == "gguf":
+            # the layers' block layout (types, shards) comes from the file; its bytes are
+            # dropped at once (the map, and the RAM copies of llama.cpp-ordered q/k rows)
+            skeleton = load_model(source, quantization="gguf",
+                                  attn_backend=config.attention_backend, dtype=self.dtype,
+                                  device=self.device)
+            if _has_gguf_experts(skeleton):
+                # MoE experts keep their blocks outside the layer's tensors: not streamable
+                if config.quantization == "gguf":
+                    raise ValueError("offloading a GGUF file's MoE experts in their own blocks "
+                                     "is not supported; use quantization='none' (fp32 rows)")
+                logger.info("offload: MoE experts stream as fp32 rows (quantization 'none')")
+                quantization, skeleton = "none", None
+            else:
+                for layer in skeleton.model.layers:
+                    release_layer(layer)
+        if skeleton is None:
+            skeleton = get_model_class(source.config.architecture)(
+                source.config, attn_backend=config.attention_backend, dtype=self.dtype,
+                device=self.device)
         config.quantization = quantization
         directory = os.path.join(config.offload_dir_path,
                                  f"store-{store_key(source.path, quantization, config.dtype)}")
@@ -135,18 +161,6 @@ class OffloadModelRunner(ModelRunner):
         if built:
             logger.info("offload: weight store built in %.1f s at %s", built, directory)
         store = WeightStore(directory)
-        if quantization == "gguf":
-            # the layers' block layout (types, shards) comes from the file; its bytes are
-            # dropped at once (the map, and the RAM copies of llama.cpp-ordered q/k rows)
-            skeleton = load_model(source, quantization="gguf",
-                                  attn_backend=config.attention_backend, dtype=self.dtype,
-                                  device=self.device)
-            for layer in skeleton.model.layers:
-                release_layer(layer)
-        else:
-            skeleton = get_model_class(source.config.architecture)(
-                source.config, attn_backend=config.attention_backend, dtype=self.dtype,
-                device=self.device)
         skeleton.requires_grad_(False)
         hw, measured = load_or_measure(config.offload_dir_path)
         logger.info("offload: disk tier %.0f MB/s direct reads (%s, %s)",

@@ -15,6 +15,7 @@ from tests.distributed.test_tp_gguf import kquant_gguf  # noqa: F401  (fixture)
 from tests.helpers.hf_oracle import TINY_BASE
 from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.loader.gguf_factory import gpt2_bpe_tokenizer, write_hf_model_gguf
+from tests.models.test_moe_gguf import moe_gguf  # noqa: F401  (fixture)
 
 PROMPTS = [[5, 6, 7, 100, 2000], list(range(10, 47)), [300 + 7 * i for i in range(19)],
            [11, 12, 13, 14] * 4, [900, 901]]
@@ -82,6 +83,24 @@ def test_greedy_identical_to_the_in_memory_native_run(request, file_fixture, pol
         assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
     finally:
         llm.engine.shutdown()
+
+
+@needs_kernels
+def test_moe_experts_stream_as_fp32_rows_or_are_refused_as_blocks(moe_gguf, tmp_path):
+    """GGUF MoE experts keep their blocks outside the layers' tensors, so the store cannot
+    stream them: auto streams the model's fp32 rows instead, an explicit 'gguf' is an error."""
+    _, _, q8 = moe_gguf
+    reference = _tokens(LLM(q8, quantization="none", kv_cache_memory="16MiB", **ENGINE))
+    offload = dict(offload_dir=str(tmp_path), offload_memory_budget="64MiB",
+                   offload_policy="w=0,kv=0", offload_batch_size=2, offload_block_batches=2)
+    llm = LLM(q8, **offload, **ENGINE)
+    try:
+        assert llm.engine.config.quantization == "none"
+        assert _tokens(llm) == reference
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="MoE experts"):
+        LLM(q8, quantization="gguf", **offload, **ENGINE)
 
 
 def test_quantization_other_than_gguf_or_none_is_refused(tmp_path):
