@@ -50,6 +50,17 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
         fixed_bytes=fixed)
 
 
+def check_streamable(source: ModelSource) -> None:
+    """The streamed forward (block_layer.py) runs Llama decoder layers: Llama, Mistral, Qwen2,
+    Mixtral, Qwen2-MoE. Other families (Gemma 3's extra norms and scaled embeddings, GPT-2,
+    DeepSeek-V2's latent attention) would run wrong, so they are refused by name."""
+    from kvforge.models.llama import LlamaForCausalLM
+    cls = get_model_class(source.config.architecture)
+    if not issubclass(cls, LlamaForCausalLM):
+        raise ValueError(f"offloading streams Llama-family decoders (Llama, Mistral, Qwen2, "
+                         f"Mixtral, Qwen2-MoE); {source.config.architecture} is not supported")
+
+
 def _has_gguf_experts(model) -> bool:
     from kvforge.quant.gguf_experts import GGUFExpertsMethod
     return any(isinstance(getattr(m, "method", None), GGUFExpertsMethod) for m in model.modules())
@@ -124,6 +135,7 @@ class OffloadModelRunner(ModelRunner):
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         config = self.config
+        check_streamable(source)
         # a GGUF file streams its own blocks where they run natively (as --quantization auto
         # would run it in memory); anything else, and quantization "none", fp32 rows
         quantization = "none"
