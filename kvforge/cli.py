@@ -80,6 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-min-confidence", type=float, default=0.0,
                    help="draft model: stop a greedy proposal after a draft below this "
                         "probability (0 = draft all k)")
+    g.add_argument("--speculative-draft-vocab", type=int, default=None, metavar="N",
+                   help="draft model: its LM head over the N most frequent tokens only "
+                        "(FR-Spec, lossless; default: the whole head)")
     g.add_argument("--num-decode-steps", type=int, default=4,
                    help="multi-step decoding: a batch of greedy decodes with nothing waiting "
                         "runs up to this many steps per engine step (tokens stream in groups "
@@ -127,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_draft_layers=args.speculative_draft_layers,
                 speculative_draft_ngram=args.speculative_draft_ngram,
                 speculative_draft_min_confidence=args.speculative_draft_min_confidence,
+                speculative_draft_vocab=args.speculative_draft_vocab,
                 num_decode_steps=args.num_decode_steps,
                 early_exit_threshold=args.early_exit_threshold,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -104,6 +104,9 @@ class EngineConfig:
     # of one draft forward), and stop drafting after a greedy draft below this probability
     speculative_draft_ngram: bool = True
     speculative_draft_min_confidence: float = 0.0
+    # draft model: its LM head over the N most frequent tokens only (spec/frequent_vocab.py,
+    # FR-Spec, lossless); None / 0 = the whole head
+    speculative_draft_vocab: int | None = None
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4
@@ -171,6 +174,9 @@ class EngineConfig:
         if not 0.0 <= self.speculative_draft_min_confidence < 1.0:
             raise ValueError(f"speculative_draft_min_confidence must be in [0, 1), got "
                              f"{self.speculative_draft_min_confidence!r}")
+        if self.speculative_draft_vocab is not None:
+            from kvforge.spec.frequent_vocab import resolve_size
+            resolve_size(self.speculative_draft_vocab, 1 << 62)      # raises on a bad value
         if self.speculative_draft_model and self.preemption_mode != "recompute":
             # swapping moves the target's blocks only; the draft's KV would be lost
             raise ValueError(f"a speculative draft model needs preemption_mode 'recompute', got "

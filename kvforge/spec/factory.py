@@ -111,6 +111,8 @@ def load_draft_model(config, target_source, device: torch.device, dtype: torch.d
                        attn_backend=config.attention_backend, dtype=dtype, device=device)
     draft.eval()
     logger.info("draft model %s: %d layers", name, draft.num_layers)
+    from kvforge.spec.frequent_vocab import install
+    install(draft, source.load_tokenizer(), config.speculative_draft_vocab)
     return draft
 
 

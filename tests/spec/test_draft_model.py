@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.spec.base import DRAFT_PLACEHOLDER
@@ -52,6 +53,32 @@ def test_draft_plus_ngram_greedy_identical_with_preemption(pair):
     assert stats.num_ngram_steps > 0, "the prompts repeat phrases: n-gram guesses expected"
     assert stats.num_verify_steps > stats.num_ngram_steps, "and draft-model proposals"
     assert drafts.num_model_drafts > 0 and drafts.num_passes > 0
+
+
+def test_frequent_token_draft_head_proposes_only_its_tokens_and_changes_no_output(pair,
+                                                                                 tmp_path,
+                                                                                 monkeypatch):
+    """FR-Spec: the draft's head over its N most frequent tokens (plus the special ones)
+    proposes nothing else, and the target's verification keeps the output identical."""
+    from kvforge.spec.frequent_vocab import resolve_size
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))      # the set is cached there
+    target, draft, baseline = pair
+    tokens, _, engine = _run(target, speculative_method="draft", speculative_draft_model=draft,
+                             num_speculative_tokens=3, speculative_draft_vocab=2000,
+                             speculative_draft_ngram=False)
+    assert tokens == baseline
+    head = engine.runner.draft_model.compute_logits
+    kept = set(head.token_ids.tolist())
+    assert 2000 <= len(kept) < 2000 + 10             # N + the special tokens, no duplicates
+    assert engine.runner.drafter.stats.num_model_drafts > 0
+    logits = head(torch.randn(3, engine.runner.draft_model.config.hidden_size))
+    assert logits.shape[1] == engine.runner.draft_model.config.vocab_size
+    assert set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == kept
+    assert list(tmp_path.glob("spec/frequent-*-2000.json"))
+    assert resolve_size(None, 151936) == 0 and resolve_size(0, 151936) == 0
+    with pytest.raises(ValueError, match="speculative_draft_vocab"):
+        LLM(target, speculative_method="draft", speculative_draft_model=draft,
+            speculative_draft_vocab=-3)
 
 
 @pytest.mark.parametrize("num_kv_blocks", [256, 18])
