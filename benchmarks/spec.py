@@ -148,6 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="lossy-exit: exit at the first head this confident")
     p.add_argument("--draft-model", default=None,
                    help="a separate draft model (catalogue name or path) for draft, draft+ngram")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft, draft+ngram: the draft's head over the N most frequent tokens "
+                        "(--speculative-draft-vocab; default: the engine's, 0 = whole head)")
     p.add_argument("--methods", nargs="+", default=["off", "ngram", "self-draft"],
                    choices=list(METHODS))
     p.add_argument("--workloads", nargs="+", default=["chat", "copy"],
@@ -217,6 +220,7 @@ def main(argv=None) -> None:
             kwargs["speculative_draft_layers"] = args.draft_layers
         if method in DRAFT_METHODS:
             kwargs["speculative_draft_model"] = args.draft_model
+            kwargs["speculative_draft_vocab"] = args.draft_vocab
         llms[method] = LLM(args.model, **kwargs)
     costs = [llm.engine.spec.cost for llm in llms.values()
              if llm.engine.spec is not None and llm.engine.spec.cost is not None]

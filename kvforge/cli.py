@@ -82,7 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "probability (0 = draft all k)")
     g.add_argument("--speculative-draft-vocab", type=int, default=None, metavar="N",
                    help="draft model: its LM head over the N most frequent tokens only "
-                        "(FR-Spec, lossless; default: the whole head)")
+                        "(FR-Spec, lossless; default 65536 for vocabularies of 131072+, "
+                        "0 = the whole head)")
     g.add_argument("--num-decode-steps", type=int, default=4,
                    help="multi-step decoding: a batch of greedy decodes with nothing waiting "
                         "runs up to this many steps per engine step (tokens stream in groups "

@@ -105,7 +105,7 @@ class EngineConfig:
     speculative_draft_ngram: bool = True
     speculative_draft_min_confidence: float = 0.0
     # draft model: its LM head over the N most frequent tokens only (spec/frequent_vocab.py,
-    # FR-Spec, lossless); None / 0 = the whole head
+    # FR-Spec, lossless); None = 65536 for vocabularies of 131072+, 0 = the whole head
     speculative_draft_vocab: int | None = None
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)

@@ -75,7 +75,8 @@ def test_frequent_token_draft_head_proposes_only_its_tokens_and_changes_no_outpu
     assert logits.shape[1] == engine.runner.draft_model.config.vocab_size
     assert set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == kept
     assert list(tmp_path.glob("spec/frequent-*-2000.json"))
-    assert resolve_size(None, 151936) == 0 and resolve_size(0, 151936) == 0
+    assert resolve_size(None, 151936) == 65536 and resolve_size(0, 151936) == 0
+    assert resolve_size(None, 49152) == 0 and resolve_size(70000, 49152) == 0
     with pytest.raises(ValueError, match="speculative_draft_vocab"):
         LLM(target, speculative_method="draft", speculative_draft_model=draft,
             speculative_draft_vocab=-3)
