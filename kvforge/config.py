@@ -175,8 +175,8 @@ class EngineConfig:
             raise ValueError(f"speculative_draft_min_confidence must be in [0, 1), got "
                              f"{self.speculative_draft_min_confidence!r}")
         if self.speculative_draft_vocab is not None:
-            from kvforge.spec.frequent_vocab import resolve_size
-            resolve_size(self.speculative_draft_vocab, 1 << 62)      # raises on a bad value
+            from kvforge.spec.frequent_vocab import check_requested_size
+            check_requested_size(self.speculative_draft_vocab)
         if self.speculative_draft_model and self.preemption_mode != "recompute":
             # swapping moves the target's blocks only; the draft's KV would be lost
             raise ValueError(f"a speculative draft model needs preemption_mode 'recompute', got "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import os
 import shutil
 
@@ -37,7 +38,7 @@ PLANNED_SEQ_LEN_MAX = 512     # KV planned per sequence when max_model_len is th
 
 def model_facts(skeleton, store: WeightStore) -> ModelFacts:
     cfg = skeleton.config
-    layer_params = sum(e.get("params", _numel(e["shape"])) for e in store.layers[0]["tensors"])
+    layer_params = sum(e.get("params", math.prod(e["shape"])) for e in store.layers[0]["tensors"])
     vocab, hidden = store.head["shape"]
     rotary = skeleton.model.rotary_emb
     fixed = sum(b.numel() * b.element_size() for b in rotary.buffers())
@@ -69,39 +70,16 @@ def _has_gguf_experts(model) -> bool:
 def remove_stale_kv_dirs(offload_dir: str) -> None:
     """Remove ``kv-<pid>`` directories of processes no longer running (left by versions that
     kept the KV files' names until shutdown)."""
+    from kvforge.distributed.executor import pid_exists
     try:
         names = os.listdir(offload_dir)
     except FileNotFoundError:
         return
     for name in names:
         pid = name.removeprefix("kv-")
-        if not name.startswith("kv-") or not pid.isdigit() or _alive(int(pid)):
+        if not name.startswith("kv-") or not pid.isdigit() or pid_exists(int(pid)):
             continue
         shutil.rmtree(os.path.join(offload_dir, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_dir(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class OffloadModelRunner(ModelRunner):
@@ -112,8 +90,7 @@ class OffloadModelRunner(ModelRunner):
         # disk-KV layers: their pool is a file; the RAM tensors of those layers stay untouched
         # (anonymous pages never written cost nothing)
         remove_stale_kv_dirs(config.offload_dir_path)
-        kv_dir = os.path.join(config.offload_dir_path, f"kv-{os.getpid()}")
-        os.makedirs(kv_dir, exist_ok=True)
+        os.makedirs(config.offload_dir_path, exist_ok=True)
         block_shape = tuple(self.kv_caches[0].shape[2:])
         # RAM-KV layers in ordinary pages, faulted in as tokens arrive: the huge-page pool
         # faults 2 MiB per layer for the first token, which a tight budget cannot spare; the
@@ -124,10 +101,11 @@ class OffloadModelRunner(ModelRunner):
         disk_layers = self.placement.kv_disk_layers
         slots = DiskSlotMap(self.num_blocks) if disk_layers else None
         self.model.attach_kv_disk({
-            j: DiskKVLayer(os.path.join(kv_dir, f"layer_{j:04d}.kv"), slots.capacity,
-                           block_shape, self.kv_caches[0].dtype)
+            # unlinked once open (kv_disk.py): the name only has to be unique while it lasts
+            j: DiskKVLayer(os.path.join(config.offload_dir_path,
+                                        f"kv-{os.getpid()}-layer_{j:04d}.kv"),
+                           slots.capacity, block_shape, self.kv_caches[0].dtype)
             for j in disk_layers}, slots)
-        _remove_dir(kv_dir)             # the layers' files are unlinked once open (kv_disk.py)
         # at shutdown, or at exit for callers that never shut the engine down (kvforge generate)
         self._trace_written = False
         if config.offload_trace:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -98,7 +99,7 @@ def build_store(model: nn.Module, directory: str, info: dict | None = None) -> N
         entries, size = _layout(layer_tensors(layer))
         logical = _logical_params(layer)
         for e in entries:
-            e["params"] = logical.get(e["name"], _numel(e["shape"]))
+            e["params"] = logical.get(e["name"], math.prod(e["shape"]))
         name = f"layer_{j:04d}.bin"
         tensors = dict(layer_tensors(layer))
         write_file(os.path.join(directory, name),
@@ -120,13 +121,6 @@ def build_store(model: nn.Module, directory: str, info: dict | None = None) -> N
     with open(tmp, "w") as f:
         json.dump(manifest, f)
     os.replace(tmp, os.path.join(directory, MANIFEST))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _matrix_of(module: nn.Module) -> tuple[torch.Tensor, dict]:

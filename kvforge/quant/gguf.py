@@ -189,18 +189,14 @@ class GGUFLinearMethod(LinearMethod):
     def rebind(self, layer) -> None:
         """The layer's ``gguf_raw_i`` buffers now hold other bytes of the same layout (a layer
         the offload store read from disk, kvforge/offload/weight_store.py): multiply by those."""
-        self._install(layer, [GGUFBlocks(layer._buffers[f"gguf_raw_{i}"], b.type_name,
-                                         b.in_features, b.name)
-                              for i, b in enumerate(layer.gguf_blocks)])
+        self._install(layer, _blocks_over_buffers(layer))
 
     def release(self, layer) -> None:
         """Drop the layer's bytes (the file's map, or RAM copies of reordered rows) and keep
         only its layout, until ``rebind``: an offloaded layer between its reads."""
         for i, b in enumerate(layer.gguf_blocks):
             layer._buffers[f"gguf_raw_{i}"] = torch.empty(0, b.raw.shape[1], dtype=torch.uint8)
-        layer.gguf_blocks = [GGUFBlocks(layer._buffers[f"gguf_raw_{i}"], b.type_name,
-                                        b.in_features, b.name)
-                             for i, b in enumerate(layer.gguf_blocks)]
+        layer.gguf_blocks = _blocks_over_buffers(layer)
         self.kernel_weight = self._dense = None
 
     def apply(self, layer, x):
@@ -222,6 +218,12 @@ class GGUFLinearMethod(LinearMethod):
         if self._dense is not None:
             return self._dense.clone()
         return self.kernel_weight.dequantize()
+
+
+def _blocks_over_buffers(layer) -> list[GGUFBlocks]:
+    """The layer's shards (types, widths, names as loaded) over its current ``gguf_raw_i``."""
+    return [GGUFBlocks(layer._buffers[f"gguf_raw_{i}"], b.type_name, b.in_features, b.name)
+            for i, b in enumerate(layer.gguf_blocks)]
 
 
 class GGUFEmbedding(Linear):

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from kvforge.layers.linear import UnquantizedLinearMethod
+from kvforge.quant.gguf import GGUFBlocks, GGUFLinearMethod, blocks_multiply, blocks_weight
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIZE = 65536
@@ -38,10 +41,16 @@ def resolve_size(requested: int | None, vocab_size: int) -> int:
     alone for draft / draft + n-gram, against 1.09x / 1.14x); 32,768 lost acceptance (76%)."""
     if requested is None:
         return DEFAULT_SIZE if vocab_size >= AUTO_MIN_RATIO * DEFAULT_SIZE else 0
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+    check_requested_size(requested)
+    return 0 if requested >= vocab_size else requested
+
+
+def check_requested_size(requested) -> None:
+    """ValueError unless ``requested`` is None or an integer >= 0."""
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)
+                                  or requested < 0):
         raise ValueError(f"speculative_draft_vocab must be an integer >= 0 (0: the whole "
                          f"head), got {requested!r}")
-    return 0 if requested >= vocab_size else requested
 
 
 def frequent_token_ids(tokenizer, size: int, vocab_size: int) -> torch.Tensor:
@@ -102,8 +111,6 @@ class FrequentVocabHead:
     elsewhere, so argmax, sampling and confidences downstream are unchanged)."""
 
     def __init__(self, model, token_ids: torch.Tensor) -> None:
-        from kvforge.layers.linear import UnquantizedLinearMethod
-        from kvforge.quant.gguf import GGUFBlocks, GGUFLinearMethod, blocks_weight
         head = model.lm_head
         self.vocab_size = model.config.vocab_size
         self.token_ids = token_ids.to(next(model.parameters()).device)
@@ -121,7 +128,6 @@ class FrequentVocabHead:
         self.bias = None if head.bias is None else head.bias[self.token_ids].contiguous()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        from kvforge.quant.gguf import blocks_multiply
         x = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(self.weight, torch.Tensor):
             sub = torch.nn.functional.linear(x, self.weight, self.bias)
