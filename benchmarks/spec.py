@@ -30,7 +30,9 @@ must produce the same tokens as "off" (column "same"). Acceptance = accepted / p
 len = tokens a speculating request gains per verification step; draft ms/tok = the draft
 model's time per drafted token (n-gram guesses it checked included); predicted = the cost
 model's decode speed-up for the steps the method ran (target rows and draft passes priced
-with the costs measured at start). Ends with one ``SUMMARY spec:`` line (speedups vs "off"
+with the costs measured at start); guard held = steps in which the speed guard
+(kvforge/spec/speed_guard.py) held speculation back because, at that batch size, its steps had
+been measured slower than decoding alone (``--unguarded`` adds each method without it). Ends with one ``SUMMARY spec:`` line (speedups vs "off"
 measured in the same run).
 """
 from __future__ import annotations
@@ -158,6 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None,
                    help="engine quantization (default: auto; none = fp32, where greedy "
                         "speculation is bit-identical)")
+    p.add_argument("--unguarded", action="store_true",
+                   help="also run every speculating method with the speed guard off "
+                        "(rows 'METHOD/unguarded': speculation wherever the policy predicts a "
+                        "gain, even where its steps were measured slower)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -207,9 +213,14 @@ def main(argv=None) -> None:
     llms = {}
     if any(m in DRAFT_METHODS for m in args.methods) and not args.draft_model:
         raise SystemExit(f"methods {DRAFT_METHODS} need --draft-model")
+    labels = []
     for method in args.methods:
+        labels.append((method, method, True))
+        if args.unguarded and method not in ("off", "lossy-exit"):
+            labels.append((f"{method}/unguarded", method, False))
+    for label, method, guarded in labels:
         kwargs = dict(METHODS[method], num_threads=threads, kv_cache_memory="512MiB",
-                      max_model_len=2048)
+                      max_model_len=2048, speculative_speed_guard=guarded)
         if args.quantization:
             kwargs["quantization"] = args.quantization
         if method not in ("off", "lossy-exit"):
@@ -221,14 +232,14 @@ def main(argv=None) -> None:
         if method in DRAFT_METHODS:
             kwargs["speculative_draft_model"] = args.draft_model
             kwargs["speculative_draft_vocab"] = args.draft_vocab
-        llms[method] = LLM(args.model, **kwargs)
+        llms[label] = LLM(args.model, **kwargs)
     costs = [llm.engine.spec.cost for llm in llms.values()
              if llm.engine.spec is not None and llm.engine.spec.cost is not None]
     for method, llm in llms.items():
         spec = llm.engine.spec
         if spec is None:
             continue
-        if method == "draft":
+        if method.split("/")[0] == "draft":
             spec.cost = None             # plain drafting: k drafts every step
             spec.max_verify_rows = None
         if costs:                        # every method priced with the same measured costs
@@ -271,12 +282,13 @@ def main(argv=None) -> None:
         mean_len = f"{stats[3] / stats[2]:.2f}" if stats and stats[2] else "-"
         draft_ms = f"{draft[0] * 1000 / draft[1]:.0f}" if draft and draft[1] else "-"
         predicted = f"{stats[5] / stats[4]:.2f}x" if stats and stats[4] else "-"
+        held = str(stats[6]) if stats and stats[6] is not None else "-"
         rows.append([name, b, method, n, round(n / seconds, 1), f"{speed:.2f}x",
                      round(decode_n / decode_s, 1), f"{decode_speed:.2f}x", predicted, acc,
-                     mean_len, draft_ms, same])
+                     mean_len, draft_ms, held, same])
     print(format_table(["workload", "batch", "method", "tokens", "tok/s", "vs off",
                         "decode tok/s", "vs off", "predicted", "acceptance", "mean len",
-                        "draft ms/tok", "same"], rows))
+                        "draft ms/tok", "guard held", "same"], rows))
     print(hardware_line() + f" | threads {threads}")
     parts = [f"{name} b{b} {m} {s:.2f}x (decode {decode_speedups[(name, b, m)]:.2f}x)"
              for (name, b, m), s in speedups.items() if m != "off"]
@@ -289,8 +301,10 @@ def _snapshot(engine):
     if stats is None:
         return None
     draft = getattr(engine.runner.drafter, "stats", None)
+    guard = engine.spec.guard
     return ((stats.num_proposed, stats.num_accepted, stats.num_verify_steps, stats.num_emitted,
-             stats.predicted_cost, stats.plain_cost),
+             stats.predicted_cost, stats.plain_cost,
+             guard.stats.denied_steps if guard is not None else None),
             (draft.seconds, draft.num_drafts) if draft is not None else None)
 
 
@@ -298,7 +312,7 @@ def _delta(engine, before):
     now = _snapshot(engine)
     if now is None:
         return None
-    spec = tuple(a - b for a, b in zip(now[0], before[0]))
+    spec = tuple(None if a is None else a - b for a, b in zip(now[0], before[0]))
     draft = tuple(a - b for a, b in zip(now[1], before[1])) if now[1] else None
     return spec, draft
 

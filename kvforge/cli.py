@@ -84,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model: its LM head over the N most frequent tokens only "
                         "(FR-Spec, lossless; default 65536 for vocabularies of 131072+, "
                         "0 = the whole head)")
+    g.add_argument("--no-speculative-speed-guard", dest="speculative_speed_guard",
+                   action="store_false",
+                   help="speculate wherever the policy predicts a gain, even at batch sizes where "
+                        "speculative steps were measured slower than decoding alone")
     g.add_argument("--num-decode-steps", type=int, default=4,
                    help="multi-step decoding: a batch of greedy decodes with nothing waiting "
                         "runs up to this many steps per engine step (tokens stream in groups "
@@ -132,6 +136,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_draft_ngram=args.speculative_draft_ngram,
                 speculative_draft_min_confidence=args.speculative_draft_min_confidence,
                 speculative_draft_vocab=args.speculative_draft_vocab,
+                speculative_speed_guard=args.speculative_speed_guard,
                 num_decode_steps=args.num_decode_steps,
                 early_exit_threshold=args.early_exit_threshold,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -107,6 +107,9 @@ class EngineConfig:
     # draft model: its LM head over the N most frequent tokens only (spec/frequent_vocab.py,
     # FR-Spec, lossless); None = 65536 for vocabularies of 131072+, 0 = the whole head
     speculative_draft_vocab: int | None = None
+    # time decode steps with and without speculation per batch size and pause it where it is
+    # slower than decoding alone (spec/speed_guard.py); False: the policy's prediction decides
+    speculative_speed_guard: bool = True
     # multi-step decoding (engine/decode_steps.py): a batch of greedy decodes, nothing waiting,
     # runs up to this many steps in one compiled call (the engine's Python once per call)
     num_decode_steps: int = 4

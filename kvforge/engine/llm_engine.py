@@ -211,6 +211,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run, postprocess. Returns outputs of the groups that changed this step."""
+        started = time.perf_counter()
         if self.spec is not None:
             self.spec.before_schedule(self.scheduler.running)
         # a step in which nobody speculates (paused: it would not pay) may decode several
@@ -225,6 +226,7 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, runner_out.sampled)
         if self.spec is not None:
             self.spec.record(sched, runner_out.sampled)
+            self.spec.observe_step(sched, runner_out.sampled, time.perf_counter() - started)
 
         now = time.monotonic()
         changed: dict[str, _Group] = {}

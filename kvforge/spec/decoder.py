@@ -36,6 +36,10 @@ Adaptive policy, by what a proposal costs:
   if only this request's alphas do not pay, it pauses for ``backoff`` steps, then probes again
   from the prior. A step in which no request speculates may run as a multi-step decode
   (engine/decode_steps.py): the draft model is lazy and catches up later (spec/draft.py).
+* speed guard (``guard``, spec/speed_guard.py): last word over all of the above, from
+  measurement. The engine times its decode-only steps (``observe_step``); at a batch size
+  where steps that speculated gave fewer tokens a second than steps that did not, nobody
+  speculates (re-measured by short probes).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from kvforge.engine.request import Request
 from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.base import DRAFT_PLACEHOLDER, TokenProposer, is_eligible
 from kvforge.spec.cost import SpecCostModel
+from kvforge.spec.speed_guard import SpeedGuard
 
 _EMA = 0.5            # weight of the newest step in a request's acceptance average
 _MAX_BACKOFF = 64
@@ -109,9 +114,12 @@ class SpecDecoder:
     draft_stats: object | None = None
     # a cost model that only accounts (stats.predicted_speedup), e.g. for a decoder without one
     report_cost: SpecCostModel | None = None
+    # measured veto per batch size (None: the policy above decides alone)
+    guard: SpeedGuard | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     _history: dict[str, _History] = field(default_factory=dict)
     _draft_seen: tuple[int, int] = (0, 0)      # draft (passes, rows) already accounted
+    _draft_prefills_seen: int = 0
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -135,6 +143,8 @@ class SpecDecoder:
         if self.cost is not None and decoding:
             # would a perfect proposer pay at this batch size? (its k rows cost the same)
             active = active and self.cost.best_k(1.0, per_request, len(decoding), 0.0) > 0
+        if active and self.guard is not None and decoding:
+            active = self.guard.allow(len(decoding))
         live_ids = set()
         for req in running:
             req.spec_token_ids = []
@@ -223,6 +233,29 @@ class SpecDecoder:
             if self.cost is None and hist.ema < self.min_acceptance:
                 self._pause(hist)
                 hist.ema = 1.0           # retry with a clean slate after the pause
+
+    def observe_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]],
+                     seconds: float) -> None:
+        """Tell the speed guard what a step cost: only steps whose scheduled requests all
+        decode (a prefill chunk would swamp the difference) and in which the draft model ran
+        no prefill of a prompt (once per request) are measured."""
+        if self.draft_stats is not None:
+            prefills = self.draft_stats.num_prefills
+            drafted_a_prompt = prefills != self._draft_prefills_seen
+            self._draft_prefills_seen = prefills
+            if drafted_a_prompt:
+                return
+        if self.guard is None or not sched.scheduled or sched.preempted_request_ids:
+            return
+        tokens = 0
+        for req in sched.scheduled:
+            rid = req.request_id
+            ahead = len(sched.spec_token_ids.get(rid, ())) + sched.num_lookahead_tokens.get(rid, 0)
+            if not sampled.get(rid) or sched.num_scheduled_tokens[rid] != 1 + ahead:
+                return
+            tokens += len(sampled[rid])
+        speculated = any(sched.spec_token_ids.get(r.request_id) for r in sched.scheduled)
+        self.guard.record(len(sched.scheduled), speculated, seconds, tokens)
 
     def _account(self, cost: SpecCostModel, sched: SchedulerOutput,
                  sampled: dict[str, list[int]]) -> None:

@@ -51,6 +51,7 @@ class DraftStats:
     num_model_drafts: int = 0        # drafts the model guessed (one forward each, but pass 1's)
     num_ngram_drafts: int = 0        # candidate tokens the draft agreed with (no forward of their own)
     num_early_stops: int = 0         # proposals cut short by low draft confidence
+    num_prefills: int = 0            # catch-up passes over (part of) a request's prompt
     seconds: float = 0.0             # wall time in propose
 
     @property
@@ -203,6 +204,8 @@ class ModelDraftProposer(DraftProposer):
         segments = []
         for req, cand, table in zip(spec, cands, tables):
             start = self._kv_start(req, table)
+            if start < req.num_prompt_tokens:
+                self.stats.num_prefills += 1
             ids = req.all_token_ids[start:] + cand
             segments.append((ids, start, table))
         # decodes (one row) first: AttentionMetadata's layout

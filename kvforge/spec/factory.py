@@ -11,6 +11,7 @@ from kvforge.spec.decoder import SpecDecoder
 from kvforge.spec.draft import ModelDraftProposer
 from kvforge.spec.ngram import NgramProposer
 from kvforge.spec.self_draft import SelfDraftModel
+from kvforge.spec.speed_guard import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,16 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
     method = config.speculative_method
     if method in (None, "", "none"):
         return None
+    decoder = _build(config, runner, max_len_per_request)
+    # measured last word: no speculation at batch sizes where it ran slower than decoding alone
+    decoder.guard = SpeedGuard() if config.speculative_speed_guard else None
+    if decoder.guard is not None and runner.drafter is not None and decoder.draft_stats is None:
+        decoder.draft_stats = runner.drafter.stats      # its prompt prefills are not measured
+    return decoder
+
+
+def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
+    method = config.speculative_method
     # verification rows per step: what the CPU linear kernel takes in one pass over the weights
     max_rows = kernel_ops.single_pass_rows(runner.device, runner.dtype)
     if method == "ngram":

@@ -13,6 +13,7 @@ def _run(path, **kwargs):
     if llm.engine.spec is not None:
         llm.engine.spec.min_acceptance = 0.0      # keep proposing: exercise verification
         llm.engine.spec.max_verify_rows = None
+        llm.engine.spec.guard = None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     llm.engine.check_integrity()

@@ -92,6 +92,7 @@ def test_proposals_are_the_draft_models_own_greedy_continuation(pair, num_kv_blo
               speculative_draft_model=draft, num_speculative_tokens=3)
     llm.engine.spec.cost = None
     llm.engine.spec.min_acceptance = 0.0
+    llm.engine.spec.guard = None
     seen = _record_proposals(llm.engine)
     prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13] * 5, [21, 22, 23, 24, 25, 26, 27]]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

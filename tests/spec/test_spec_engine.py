@@ -29,6 +29,7 @@ def _run(path, num_kv_blocks=256, prompts=None, params=None, **engine_kwargs):
         llm.engine.spec.min_acceptance = 0.0      # keep proposing: exercise verification
         llm.engine.spec.max_verify_rows = None    # ... at every batch size
         llm.engine.spec.cost = None               # ... whatever the measured costs say
+        llm.engine.spec.guard = None              # ... or the measured step times
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
     llm.engine.check_integrity()

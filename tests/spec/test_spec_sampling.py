@@ -45,6 +45,7 @@ def _sample_triples(llm, prompt: list[int]) -> list[tuple[int, ...]]:
     spec.min_acceptance = 0.0
     spec.disable_batch_size = NUM_SAMPLES     # speculate in a batch of all samples
     spec.max_verify_rows = None
+    spec.guard = None                         # ... however slow its steps measure
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=NUM_OUT,
                              ignore_eos=True, seed=s) for s in range(NUM_SAMPLES)]
     outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
