@@ -14,6 +14,10 @@ Workloads (greedy, EOS honoured, chat template applied, default model SmolLM2-13
          indentation, reformat); the 135M model copies some and answers others in its own words
   code   3 coding chats: two edits of a given class (type hints, docstrings) and one new
          function; with batch b > 3 the prompts repeat to fill the batch
+  turns  2 two-turn code chats, run in order: the edit above, then the same chat with an
+         answer and a follow-up request, whose prompt starts with the first turn's (a prefix
+         cache hit for the target, and for the draft model where its KV is still there);
+         meant for batch 1
 
 Methods: off; ngram (prompt lookup); self-draft (the target's first layers); early-exit (the
 first layers + a trained exit head, docs/early_exit.md); lossy-exit (no speculation: decodes
@@ -106,6 +110,18 @@ CODE_PROMPTS = [
     "Include a docstring and handle the empty list.",
 ]
 
+# the follow-up turns of the "turns" workload, after a fixed answer (the class with hints)
+_CLASS_TYPED = _CLASS.replace("def __init__(self):", "def __init__(self) -> None:").replace(
+    "def add(self, name, quantity, price):",
+    "def add(self, name: str, quantity: int, price: float) -> None:").replace(
+    "def remove(self, name, quantity):", "def remove(self, name: str, quantity: int) -> None:"
+).replace("def total_value(self):", "def total_value(self) -> float:")
+FOLLOW_UPS = [
+    "Now also add a one-line docstring to every method. Output the whole class again.",
+    "Now rename the class to `Stock` and the method `total_value` to `value`. Output the whole "
+    "class again.",
+]
+
 COPY_PROMPTS = [
     f"Rename the variable `total` to `amount` in this Python function and output the whole "
     f"function:\n\n{_CODE}",
@@ -156,7 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["off", "ngram", "self-draft"],
                    choices=list(METHODS))
     p.add_argument("--workloads", nargs="+", default=["chat", "copy"],
-                   choices=["chat", "copy", "code"])
+                   choices=["chat", "copy", "code", "turns"])
     p.add_argument("--quantization", default=None,
                    help="engine quantization (default: auto; none = fp32, where greedy "
                         "speculation is bit-identical)")
@@ -170,8 +186,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
-    def chat(text: str) -> list[int]:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    def chat(*turns: str) -> list[int]:
+        """The chat template over user, assistant, user, .. turns."""
+        roles = ["user", "assistant"] * len(turns)
+        return tokenizer.apply_chat_template(
+            [{"role": r, "content": t} for r, t in zip(roles, turns)])
 
     out = {}
     if "chat" in args.workloads:
@@ -185,6 +204,10 @@ def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
         # fill the largest batch: b > 3 repeats the prompts
         size = max(len(prompts), max(args.batch_sizes))
         out["code"] = [prompts[i % len(prompts)] for i in range(size)]
+    if "turns" in args.workloads:
+        out["turns"] = []
+        for prompt, follow_up in zip(CODE_PROMPTS[:2], FOLLOW_UPS):
+            out["turns"] += [chat(prompt), chat(prompt, _CLASS_TYPED, follow_up)]
     return out
 
 

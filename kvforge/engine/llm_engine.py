@@ -99,6 +99,12 @@ class LLMEngine:
         self.max_len_per_request = min(self.max_model_len, self.scheduler.max_tokens_in_cache)
         # speculative decoding (kvforge/spec); None when off
         self.spec = build_spec_decoder(config, self.runner, self.max_len_per_request)
+        forget_block = getattr(self.runner.drafter, "forget_block", None)
+        if forget_block is not None:
+            # a block handed out for new contents no longer holds the draft's KV (spec/draft.py)
+            if self.kv_manager.pool.on_block_reused is not None:
+                raise RuntimeError("the block pool's reuse hook is taken")
+            self.kv_manager.pool.on_block_reused = forget_block
         # multi-step decoding of greedy batches (engine/decode_steps.py); 1 = off
         self._max_decode_steps = (config.num_decode_steps if self.runner.supports_decode_steps
                                   else 1)

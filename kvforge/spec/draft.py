@@ -25,8 +25,19 @@ the rejected drafts' slots are simply rewritten (no copy, no undo). A step in wh
 does not speculate (an n-gram guess, a pause) leaves the draft behind; the catch-up rows of its
 next drafting pass fill it in (a request the drafter has not seen starts at 0: the draft runs
 its prefill then). So the draft costs nothing on the steps it is not used, which may then
-decode several tokens per call (engine/decode_steps.py). After a preemption only the blocks
-the draft wrote through are trusted (prefix cache hits may bring blocks it never wrote).
+decode several tokens per call (engine/decode_steps.py).
+
+Prefix-cache hits (a new turn of a chat, a shared system prompt, a preempted request
+recomputed): the draft's KV lives in the same block ids as the target's, so a block the
+draft filled with real tokens still holds them when the prefix cache hands it to another
+request. ``_filled_blocks`` keeps those ids: a block joins once the draft's KV is right for
+every slot of it (all its positions < the request's T), and leaves when the pool hands it
+out for new contents (``forget_block``, hooked to BlockPool.on_block_reused). A request's
+catch-up starts after the leading blocks of its table that are in the set:
+
+    table     [ b7 | b2 | b9 | b4 | ... ]      b7, b2 filled by the draft for an earlier turn
+    positions   0..15 16..31 32..47            (block size 16)
+    catch-up                 ^ starts at 32, not 0
 """
 from __future__ import annotations
 
@@ -90,6 +101,12 @@ class ModelDraftProposer(DraftProposer):
         # request_id -> what the draft's cache holds for it (see the module docstring)
         self._written: dict[str, _Written] = {}
         self._max_ahead = 0              # the longest proposal asked for so far
+        # block ids whose every slot holds the draft's KV of the block's real tokens (above)
+        self._filled_blocks: set[int] = set()
+
+    def forget_block(self, block_id: int) -> None:
+        """The pool handed ``block_id`` out for new contents: the draft's KV there is stale."""
+        self._filled_blocks.discard(block_id)
 
     def _forward(self, ids: list[int], query_lens: list[int], context_lens: list[int],
                  tables: list[list[int]], kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -178,6 +195,8 @@ class ModelDraftProposer(DraftProposer):
                 # the drafts fed back in: all but the last
                 self._written[rid] = _Written(req, req.num_tokens, drafts[i][:-1],
                                               list(tables[i]))
+                # its KV is right for positions < num_tokens: the whole blocks below are filled
+                self._filled_blocks.update(tables[i][:req.num_tokens // self.block_size])
             if q_rows[i]:
                 out[rid] = torch.stack(q_rows[i])
         return out
@@ -226,7 +245,16 @@ class ModelDraftProposer(DraftProposer):
         return hidden, rows
 
     def _kv_start(self, req: Request, table: list[int]) -> int:
-        """First position whose draft KV is not known to be right for the request's tokens."""
+        """First position whose draft KV is not known to be right for the request's tokens
+        (at most its last token's: pass 1 needs that row)."""
+        filled = 0
+        while filled < len(table) and table[filled] in self._filled_blocks:
+            filled += 1
+        last = req.num_tokens - 1
+        return min(max(self._written_end(req, table), filled * self.block_size), last)
+
+    def _written_end(self, req: Request, table: list[int]) -> int:
+        """How far this request's own last drafting pass left the draft's KV right."""
         written = self._written.get(req.request_id)
         if written is None or written.request is not req:
             return 0
@@ -283,6 +311,10 @@ class ModelDraftProposer(DraftProposer):
             if cache.shape[1] != num_blocks:
                 raise AssertionError(f"draft KV cache has {cache.shape[1]} blocks, the pool "
                                      f"{num_blocks}")
+        stray = [b for b in self._filled_blocks if not 0 <= b < num_blocks]
+        if stray or (self._filled_blocks and self.own_kv_caches is None):
+            raise AssertionError(f"draft-filled blocks {sorted(stray or self._filled_blocks)} "
+                                 f"outside the draft's own pool of {num_blocks}")
         for rid, written in self._written.items():
             req = written.request
             # it wrote the request's tokens then len(drafts) <= k drafts after them

@@ -110,6 +110,47 @@ def test_proposals_are_the_draft_models_own_greedy_continuation(pair, num_kv_blo
         assert drafts == out.outputs[0].token_ids, f"after {len(ctx)} tokens"
 
 
+def _check_against_draft_alone(draft, model_drafted) -> None:
+    reference = LLM(draft, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
+    outs = reference.generate([ctx for ctx, _ in model_drafted],
+                              [SamplingParams(temperature=0.0, max_tokens=len(d), ignore_eos=True)
+                               for _, d in model_drafted], use_tqdm=False)
+    for (ctx, drafts), out in zip(model_drafted, outs):
+        assert drafts == out.outputs[0].token_ids, f"after {len(ctx)} tokens"
+
+
+@pytest.mark.parametrize("num_kv_blocks", [256, 24])
+def test_prefix_cache_hits_reuse_the_drafts_kv_and_proposals_stay_exact(pair, num_kv_blocks):
+    """A chat's next turn hits the prefix cache: the draft starts after the blocks it filled
+    in the previous turn instead of re-running the whole conversation; with a pool small
+    enough that other prompts evict and reuse those blocks, nothing stale is trusted (every
+    proposal is the draft alone's greedy continuation)."""
+    target, draft, _ = pair
+    llm = LLM(target, block_size=4, num_kv_blocks=num_kv_blocks, speculative_method="draft",
+              speculative_draft_model=draft, num_speculative_tokens=3,
+              speculative_draft_ngram=False)
+    engine = llm.engine
+    engine.spec.cost, engine.spec.min_acceptance, engine.spec.guard = None, 0.0, None
+    drafter = engine.runner.drafter
+    assert engine.kv_manager.pool.on_block_reused == drafter.forget_block
+    seen = _record_proposals(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = [3 + (7 * i) % 500 for i in range(41)]
+    other = [600 + (11 * i) % 300 for i in range(45)]
+    answer = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+    rows_before = drafter.stats.num_rows
+    second = first + list(answer) + [9, 10, 11]              # the next turn of the chat
+    llm.generate([second], params, use_tqdm=False)
+    second_rows = drafter.stats.num_rows - rows_before
+    llm.generate([other], params, use_tqdm=False)            # evicts and reuses in a small pool
+    llm.generate([second + [12, 13]], params, use_tqdm=False)
+    engine.check_integrity()
+    if num_kv_blocks == 256:
+        # 12 tokens of passes 1..3 per step at most, plus what the filled blocks do not cover
+        assert second_rows < len(second) - 24, (second_rows, len(second))
+    _check_against_draft_alone(draft, [(ctx, d) for ctx, d in seen if d])
+
+
 def test_low_confidence_drafts_stop_early_and_output_stays_identical(pair):
     target, draft, baseline = pair
     tokens, _, engine = _run(target, speculative_method="draft", speculative_draft_model=draft,
