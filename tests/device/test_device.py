@@ -118,6 +118,28 @@ def test_prefix_cache_and_ngram_speculation_leave_tokens_unchanged(tiny_model_fa
     assert_clean(spec)
 
 
+def test_draft_model_speculation_with_prefix_hits_leaves_tokens_unchanged(tiny_model_factory):
+    """A separate draft model on the device: its own KV caches there, drafting every step
+    (cost model and speed guard off), a second turn that hits the prefix cache (the draft's
+    KV reused from the blocks it filled): tokens equal to the target alone."""
+    target, _ = tiny_model_factory("llama", num_hidden_layers=3)
+    draft, _ = tiny_model_factory("llama", num_hidden_layers=2, seed=1)
+    first = prompts(4, lengths=(37,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)  # no logprobs
+    alone = LLM(target, device=CUDA, block_size=4, num_kv_blocks=128)
+    answer = generate(alone, [first], params)[0].token_ids
+    turns = [first, first + list(answer) + [5, 6, 7]]
+    want = [generate(alone, [t], params)[0].token_ids for t in turns]
+    llm = LLM(target, device=CUDA, block_size=4, num_kv_blocks=128, speculative_method="draft",
+              speculative_draft_model=draft, num_speculative_tokens=3)
+    spec = llm.engine.spec
+    spec.cost, spec.min_acceptance, spec.guard = None, 0.0, None
+    assert all(c.device.type == torch.device(CUDA).type for c in llm.engine.runner.draft_kv_caches)
+    assert [generate(llm, [t], params)[0].token_ids for t in turns] == want
+    assert llm.engine.runner.drafter.stats.num_model_drafts > 0
+    assert_clean(llm)
+
+
 # every weight quantizer but the GGUF blocks (GGUF files only); each either runs on the device
 # or refuses it with a ValueError naming it (int8 / int4 and what builds on them are CPU kernels)
 QUANTIZERS = ("int8", "int4", "fp8", "fp4", "smoothquant", "awq", "llm_int8", "zeroquant", "spqr")
