@@ -247,15 +247,12 @@ class SpecDecoder:
                 return
         if self.guard is None or not sched.scheduled or sched.preempted_request_ids:
             return
-        tokens = 0
-        for req in sched.scheduled:
-            rid = req.request_id
-            ahead = len(sched.spec_token_ids.get(rid, ())) + sched.num_lookahead_tokens.get(rid, 0)
-            if not sampled.get(rid) or sched.num_scheduled_tokens[rid] != 1 + ahead:
-                return
-            tokens += len(sampled[rid])
-        speculated = any(sched.spec_token_ids.get(r.request_id) for r in sched.scheduled)
-        self.guard.record(len(sched.scheduled), speculated, seconds, tokens)
+        decodes = _decodes(sched, sampled)
+        if len(decodes) != len(sched.scheduled):
+            return
+        speculated = any(sched.spec_token_ids.get(rid) for rid in decodes)
+        self.guard.record(len(decodes), speculated, seconds,
+                          sum(len(sampled[rid]) for rid in decodes))
 
     def _account(self, cost: SpecCostModel, sched: SchedulerOutput,
                  sampled: dict[str, list[int]]) -> None:
@@ -270,11 +267,7 @@ class SpecDecoder:
             self._draft_seen = (passes, rows)
         rows = emitted = num_decodes = 0
         steps = 1
-        for req in sched.scheduled:
-            rid = req.request_id
-            ahead = len(sched.spec_token_ids.get(rid, ())) + sched.num_lookahead_tokens.get(rid, 0)
-            if not sampled.get(rid) or sched.num_scheduled_tokens[rid] != 1 + ahead:
-                continue
+        for rid in _decodes(sched, sampled):
             num_decodes += 1
             rows += 1 + len(sched.spec_token_ids.get(rid, ()))
             emitted += len(sampled[rid])
@@ -298,3 +291,15 @@ class SpecDecoder:
         if stats is None or not stats.num_drafts:
             return 1.0
         return stats.num_model_drafts / stats.num_drafts
+
+
+def _decodes(sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[str]:
+    """Ids of the step's requests that decoded: one row for their last token plus their
+    proposals or lookahead slots, no prompt tokens."""
+    out = []
+    for req in sched.scheduled:
+        rid = req.request_id
+        ahead = len(sched.spec_token_ids.get(rid, ())) + sched.num_lookahead_tokens.get(rid, 0)
+        if sampled.get(rid) and sched.num_scheduled_tokens[rid] == 1 + ahead:
+            out.append(rid)
+    return out
