@@ -36,8 +36,8 @@ model's time per drafted token (n-gram guesses it checked included); predicted =
 model's decode speed-up for the steps the method ran (target rows and draft passes priced
 with the costs measured at start); guard held = steps in which the speed guard
 (kvforge/spec/speed_guard.py) held speculation back because, at that batch size, its steps had
-been measured slower than decoding alone (``--unguarded`` adds each method without it). Ends with one ``SUMMARY spec:`` line (speedups vs "off"
-measured in the same run).
+been measured slower than decoding alone (``--unguarded`` adds each method without it). Ends
+with one ``SUMMARY spec:`` line (speedups vs "off" measured in the same run).
 """
 from __future__ import annotations
 

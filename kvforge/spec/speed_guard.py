@@ -29,7 +29,8 @@ Why windows of many steps and single-step probes: what speculation gains comes i
 (a copied span accepts everything, new text little), so a few steps measure the text of the
 moment, not the arm: probes spread over the run see every kind of stretch, and the window's
 average is what the arm gives over them. Exploration is the price: 1 step in ``probe_every``
-on the losing arm (at 0.76x, ~1.5% of the time lost; at 1.25x, ~1%).
+on the losing arm (~2% of the time lost where speculation runs at 0.76x, ~1.5% where it
+would run at 1.25x), and the warm-up at each batch size the first time it occurs.
 """
 from __future__ import annotations
 
