@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvforge.offload.direct_io import ALIGN, DiskFile, align_up, write_file
+from kvforge.quant.gguf import GGUF_BLOCKS_BUFFER
 
 MANIFEST = "manifest.json"
 STORE_VERSION = 1
@@ -58,7 +59,8 @@ def _logical_params(layer: nn.Module) -> dict[str, int]:
     params = {}
     for mod_name, module in layer.named_modules():
         for i, b in enumerate(getattr(module, "gguf_blocks", None) or []):
-            name = f"{mod_name}.gguf_raw_{i}" if mod_name else f"gguf_raw_{i}"
+            name = f"{GGUF_BLOCKS_BUFFER}{i}"
+            name = f"{mod_name}.{name}" if mod_name else name
             params[name] = b.shape[0] * b.in_features
     return params
 

@@ -2,6 +2,7 @@
 table whose fp32 perplexity is HF transformers' over the same tokens, with int8 rows of fewer
 weight bytes and nearly the same perplexity."""
 import math
+import os
 
 import pytest
 
@@ -62,3 +63,18 @@ def test_short_run_reports_rows_that_agree_with_hf(capsys, hf_smollm):
     assert fp32[5] == "+0.00%" and fp32[7] == "1.00x"
     assert float(fp32[6]) > 0 and float(int8[8]) > 0
     assert "SUMMARY quant default: fp32:b1=1.00x" in out.out
+
+
+def test_a_native_gguf_model_reports_its_blocks_bytes_and_bits():
+    """The default file runs in its own Q4_1 blocks (buffers over the mapped file; only the
+    norms are parameters): its size is the blocks' bytes and its projections 5.0 bits a weight (20 bytes
+    per 32), the Q8_0 embedding left out as other methods' embeddings are."""
+    from kvforge import LLM
+    from kvforge.loader.default_model import default_model_path
+    from kvforge.quant.bits import average_bits
+    from kvforge.quant.loading import weight_bytes
+    model = LLM(num_kv_blocks=16).engine.runner.model
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())    # the norms
+    assert average_bits(model) == pytest.approx(5.0)
+    size = os.path.getsize(default_model_path())
+    assert floats < 0.01 * size < 0.9 * size < weight_bytes(model) <= size + floats
