@@ -239,13 +239,15 @@ class SpecDecoder:
         """Tell the speed guard what a step cost: only steps whose scheduled requests all
         decode (a prefill chunk would swamp the difference) and in which the draft model ran
         no prefill of a prompt (once per request) are measured."""
+        if self.guard is None:
+            return
         if self.draft_stats is not None:
             prefills = self.draft_stats.num_prefills
             drafted_a_prompt = prefills != self._draft_prefills_seen
             self._draft_prefills_seen = prefills
             if drafted_a_prompt:
                 return
-        if self.guard is None or not sched.scheduled or sched.preempted_request_ids:
+        if not sched.scheduled or sched.preempted_request_ids:
             return
         decodes = _decodes(sched, sampled)
         if len(decodes) != len(sched.scheduled):
