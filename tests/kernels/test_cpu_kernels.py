@@ -136,6 +136,7 @@ def test_argmax_rows_matches_torch(compiled, cols):
     if cols > 33:
         x[7, [17, 33]] = 9.0                                 # same lane, blocks 1 and 2
         x[8, [18, 33]] = 9.0                                 # other lanes: lower index wins
+        x[0, [9, 25]] = 9.0                                  # same lane of 8: blocks 1 and 3
     assert torch.equal(compiled.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_last_dim(x), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_last_dim(x.double()), x.double().argmax(dim=-1))   # fallback
@@ -276,7 +277,8 @@ def test_paged_decode_attention_matches_dense(compiled, kv_heads, heads, block_s
 @needs_kernels
 @pytest.mark.parametrize("lens,block_size,dim", [
     ([300], 16, 64),                  # batch 1: split into short chunks, merged
-    ([1000, 37], 16, 24),             # dims off the 16-lane path
+    ([1000, 37], 16, 24),             # dims off the 16-lane (AVX-512) path, on the 8-lane one
+    ([300, 17], 16, 20),              # dims off both vector paths
     ([1000, 700, 5, 260, 999], 24, 64),   # 256-key chunks that start inside a 24-slot block
 ])
 def test_paged_decode_attention_long_contexts(compiled, lens, block_size, dim):

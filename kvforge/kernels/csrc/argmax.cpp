@@ -3,44 +3,46 @@
 //
 // Why: torch's CPU argmax walks a row of SmolLM2's 49,152 logits in 60-85 us (a scalar loop), a
 // few % of a batch-1 decode step and ~5 ms of a batch-64 one. Here one vector pass keeps, per
-// lane l, the running maximum and the first 16-float block that reached it:
+// lane l, the running maximum and the first block of L floats (L = kVecLanes: 16 with AVX-512,
+// 8 with AVX2) that reached it:
 //
-//   row:   [ b0: 0..15 | b1: 16..31 | ... ]     lane l of block b is index 16 b + l
-//   max[l]   = max over b of row[16 b + l]      (strict >: the first block keeps it)
-//   block[l] = first b where row[16 b + l] == max[l]
-//   result   = min over lanes with max[l] == max of all (16 block[l] + l), then the < 16 tail
+//   row:   [ b0: 0..L-1 | b1: L..2L-1 | ... ]   lane l of block b is index L b + l
+//   max[l]   = max over b of row[L b + l]       (strict >: the first block keeps it)
+//   block[l] = first b where row[L b + l] == max[l]
+//   result   = min over lanes with max[l] == max of all (L block[l] + l), then the < L tail
 #include "kernels.h"
 
 namespace kvforge {
 
 int64_t argmax_row(const float* x, int64_t n) {
-  vec16 best = vec16{} - INFINITY;
-  ivec16 block{}, nan_seen{};
+  constexpr int64_t L = kVecLanes;
+  vecn best = vecn{} - INFINITY;
+  ivecn block{}, nan_seen{};
   int64_t b = 0;
-  for (; (b + 1) * 16 <= n; ++b) {
-    const vec16 v = load16(x + b * 16);
-    const ivec16 greater = v > best;       // all ones where the lane improves
+  for (; (b + 1) * L <= n; ++b) {
+    const vecn v = loadn(x + b * L);
+    const ivecn greater = v > best;        // all ones where the lane improves
     best = greater ? v : best;
-    block = greater ? ivec16{} + static_cast<int32_t>(b) : block;
+    block = greater ? ivecn{} + static_cast<int32_t>(b) : block;
     nan_seen |= v != v;
   }
   int64_t index = -1;
   float top = -INFINITY;
   bool nan = false;
-  for (int l = 0; l < 16; ++l) nan = nan || nan_seen[l] != 0;
-  for (int64_t i = b * 16; i < n && !nan; ++i) nan = x[i] != x[i];
+  for (int l = 0; l < L; ++l) nan = nan || nan_seen[l] != 0;
+  for (int64_t i = b * L; i < n && !nan; ++i) nan = x[i] != x[i];
   if (nan) {                                // rare: the first NaN, as torch returns
     for (int64_t i = 0; i < n; ++i)
       if (x[i] != x[i]) return i;
   }
   if (b > 0) {
-    for (int l = 0; l < 16; ++l) top = std::max(top, best[l]);
-    for (int l = 0; l < 16; ++l) {
-      const int64_t i = static_cast<int64_t>(block[l]) * 16 + l;
+    for (int l = 0; l < L; ++l) top = std::max(top, best[l]);
+    for (int l = 0; l < L; ++l) {
+      const int64_t i = static_cast<int64_t>(block[l]) * L + l;
       if (best[l] == top && (index < 0 || i < index)) index = i;
     }
   }
-  for (int64_t i = b * 16; i < n; ++i) {    // the tail comes after every vector lane
+  for (int64_t i = b * L; i < n; ++i) {     // the tail comes after every vector lane
     if (index < 0 || x[i] > top) {
       top = x[i];
       index = i;

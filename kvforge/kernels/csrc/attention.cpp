@@ -23,6 +23,13 @@ namespace {
 // one at a time, and a request's tokens do not depend on what it is batched with).
 constexpr int64_t kChunk = 256;
 
+// the vector width of the score and value loops (scores_16, accumulate_values)
+#if defined(__AVX512F__)
+constexpr int64_t kAttentionLanes = 16;
+#else
+constexpr int64_t kAttentionLanes = 8;
+#endif
+
 using Partial = DecodeAttentionPlan::Partial;
 
 // Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
@@ -62,6 +69,84 @@ inline vec16 transpose_sum16(const vec16* v) {
                                  29, 31);
 }
 
+// 8 vectors -> one vector of their 8 horizontal sums, the same halving tree in 256-bit terms
+// (AVX2 builds: 16 ymm registers, where the 16-key tree above spills every vector to the stack
+// and ran 5x slower than the AVX-512 build at batch 64):
+//   level 1: [v0 | v1] halves of 4 lanes (a 128-bit permute), level 2: 4 keys x 2 lanes,
+//   level 3: 8 keys x 1 lane in the order [0 2 4 6 | 1 3 5 7] (in-lane shuffles), put in order
+inline vec8 transpose_sum8(const vec8* v) {
+  vec8 c[4], d[2];
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  //   c[i] = [key 2i: 4 partials | key 2i+1: 4 partials]
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  //   d[i] = [key 4i: 2 | key 4i+2: 2 | key 4i+1: 2 | key 4i+3: 2]
+  const vec8 e = __builtin_shufflevector(d[0], d[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(d[0], d[1], 1, 3, 9, 11, 5, 7, 13, 15);
+  //   e = [keys 0 2 4 6 | 1 3 5 7]
+  return __builtin_shufflevector(e, e, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+// scale * q . K[t] for 16 keys t (token rows `stride` floats apart) into sc[0..15]; dim a
+// multiple of the vector width
+inline void scores_16(const float* qh, const float* key, int64_t stride, int64_t dim, float scale,
+                      float* sc) {
+#if defined(__AVX512F__)
+  vec16 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = load16(qh) * load16(key + t * stride);
+  for (int64_t d = 16; d < dim; d += 16) {
+    const vec16 qd = load16(qh + d);
+    for (int t = 0; t < 16; ++t) acc[t] += qd * load16(key + t * stride + d);
+  }
+  const vec16 s16 = transpose_sum16(acc) * scale;
+  store_vec(sc, s16);
+#else
+  for (int half = 0; half < 2; ++half) {      // 8 keys at a time: 8 accumulators + q in ymm
+    const float* k8 = key + 8 * half * stride;
+    vec8 acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = load8(qh) * load8(k8 + t * stride);
+    for (int64_t d = 8; d < dim; d += 8) {
+      const vec8 qd = load8(qh + d);
+      for (int t = 0; t < 8; ++t) acc[t] += qd * load8(k8 + t * stride + d);
+    }
+    const vec8 s8 = transpose_sum8(acc) * scale;
+    store_vec(sc + 8 * half, s8);
+  }
+#endif
+}
+
+// a[0..dim_v) += sum_t sc[t] * V[t] over len token rows (`stride` floats apart); dim_v a
+// multiple of the vector width. 4 vectors of dims at a time: 4 independent FMA chains over keys
+inline void accumulate_values(float* a, const float* val, int64_t stride, int64_t len,
+                              int64_t dim_v, const float* sc) {
+#if defined(__AVX512F__)
+  using vreg = vec16;
+  constexpr int64_t kWidth = 16;
+#else
+  using vreg = vec8;
+  constexpr int64_t kWidth = 8;
+#endif
+  int64_t d = 0;
+  for (; d + 4 * kWidth <= dim_v; d += 4 * kWidth) {
+    vreg ad[4];
+    for (int c = 0; c < 4; ++c) ad[c] = *reinterpret_cast<const vreg*>(a + d + kWidth * c);
+    for (int64_t t = 0; t < len; ++t) {
+      const vreg* vt = reinterpret_cast<const vreg*>(val + t * stride + d);
+      for (int c = 0; c < 4; ++c) ad[c] += sc[t] * vt[c];
+    }
+    for (int c = 0; c < 4; ++c) store_vec(a + d + kWidth * c, ad[c]);
+  }
+  for (; d < dim_v; d += kWidth) {
+    vreg ad = *reinterpret_cast<const vreg*>(a + d);
+    for (int64_t t = 0; t < len; ++t)
+      ad += sc[t] * *reinterpret_cast<const vreg*>(val + t * stride + d);
+    store_vec(a + d, ad);
+  }
+}
+
 // Softmax attention of one query token (heads [h0, h1)) over keys [j0, j1) of a paged sequence,
 // block by block with an online softmax: per head a running max m, sum l and accumulator acc,
 // rescaled by e^(m_old - m_new) when a block raises the max. Per block and KV head:
@@ -77,7 +162,7 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
                   std::vector<float>& scores) {
   const int64_t dim = keys.dim, dim_v = values.dim;
   const int64_t block = keys.block_size;
-  const bool lanes = dim % 16 == 0 && dim_v % 16 == 0;
+  const bool lanes = dim % kAttentionLanes == 0 && dim_v % kAttentionLanes == 0;
   const int64_t kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
   part.max.assign(h1 - h0, -INFINITY);
   part.sum.assign(h1 - h0, 0.f);
@@ -99,14 +184,7 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
       const float* qh = q + h * q_head_stride;
       float* sc = scores.data();
       if (lanes && len == 16) {
-        vec16 acc[16];
-        for (int t = 0; t < 16; ++t) acc[t] = load16(qh) * load16(key + t * keys.token_stride);
-        for (int64_t d = 16; d < dim; d += 16) {
-          const vec16 qd = load16(qh + d);
-          for (int t = 0; t < 16; ++t) acc[t] += qd * load16(key + t * keys.token_stride + d);
-        }
-        const vec16 s16 = transpose_sum16(acc) * scale;
-        __builtin_memcpy(sc, &s16, sizeof s16);
+        scores_16(qh, key, keys.token_stride, dim, scale, sc);
       } else {
         for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qh, key + t * keys.token_stride, dim);
       }
@@ -121,21 +199,8 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
         part.max[i] = mx;
       }
       part.sum[i] += exp_shift_sum(sc, len, mx);
-      if (lanes) {         // 4 vectors of dims at a time: 4 independent FMA chains over keys
-        int64_t d = 0;
-        for (; d + 64 <= dim_v; d += 64) {
-          vec16 ad[4] = {load16(a + d), load16(a + d + 16), load16(a + d + 32), load16(a + d + 48)};
-          for (int64_t t = 0; t < len; ++t) {
-            const float* vt = val + t * values.token_stride + d;
-            for (int c = 0; c < 4; ++c) ad[c] += sc[t] * load16(vt + 16 * c);
-          }
-          __builtin_memcpy(a + d, ad, sizeof ad);
-        }
-        for (; d < dim_v; d += 16) {
-          vec16 ad = load16(a + d);
-          for (int64_t t = 0; t < len; ++t) ad += sc[t] * load16(val + t * values.token_stride + d);
-          __builtin_memcpy(a + d, &ad, sizeof ad);
-        }
+      if (lanes) {
+        accumulate_values(a, val, values.token_stride, len, dim_v, sc);
       } else {
         for (int64_t t = 0; t < len; ++t)
 #pragma omp simd

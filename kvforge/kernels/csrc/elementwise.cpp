@@ -30,10 +30,10 @@ void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, in
       const float* u = g + inter;
       float* o = out + r * inter;
       int64_t i = 0;
-      for (; i + 16 <= inter; i += 16) {
-        const vec16 gv = load16(g + i);
-        const vec16 v = gv / (1.f + exp16(-gv)) * load16(u + i);
-        __builtin_memcpy(o + i, &v, sizeof v);
+      for (; i + kVecLanes <= inter; i += kVecLanes) {
+        const vecn gv = loadn(g + i);
+        const vecn v = gv / (1.f + expn(-gv)) * loadn(u + i);
+        store_vec(o + i, v);
       }
       for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }

@@ -47,6 +47,12 @@ typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4 __attribute__((vector_size(16), aligned(4), may_alias));
 
 inline vec16 load16(const float* p) { return *reinterpret_cast<const vec16*>(p); }
+inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8*>(p); }
+// v to p (any alignment) as one vector store: __builtin_memcpy of a vector to memory went
+// through the stack and general registers in GCC 12's AVX2 code (a store-forwarding stall a
+// vector: the SiLU loop ran at half speed)
+inline void store_vec(float* p, vec16 v) { *reinterpret_cast<vec16*>(p) = v; }
+inline void store_vec(float* p, vec8 v) { *reinterpret_cast<vec8*>(p) = v; }
 
 // horizontal sum by halving (the halves are free register views, no scalar loop)
 inline float hsum(vec16 v) {
@@ -62,37 +68,61 @@ inline float hsum(vec16 v) {
 }
 
 typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
 
-// exp of 16 floats (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, 2^n in the
+inline float hsum(vec8 v) {
+  vec4 c, d;
+  __builtin_memcpy(&c, &v, sizeof c);
+  __builtin_memcpy(&d, reinterpret_cast<const char*>(&v) + sizeof c, sizeof d);
+  const vec4 s4 = c + d;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// The build's native float vector, one register of its ISA: 16 lanes with AVX-512, 8 with
+// AVX2. Loops over plain arrays (SiLU, softmax, argmax) take it: with AVX2 a 16-lane vector is
+// split into two ymm halves, and its compares, blends and int conversions went through the
+// stack (the AVX2 build's SiLU ran 6.6x, its argmax 20x slower than the AVX-512 build's).
+#if defined(__AVX512F__)
+constexpr int kVecLanes = 16;
+using vecn = vec16;
+using ivecn = ivec16;
+#else
+constexpr int kVecLanes = 8;
+using vecn = vec8;
+using ivecn = ivec8;
+#endif
+inline vecn loadn(const float* p) { return *reinterpret_cast<const vecn*>(p); }
+
+// exp of each lane (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, 2^n in the
 // exponent bits); relative error ~2e-7, inputs clamped to [-87.3, 88.7] (exp(-87.3) ~ 1e-38:
-// softmax and SiLU never need smaller).
-inline vec16 exp16(vec16 x) {
-  const vec16 hi = vec16{} + 88.7f, lo = vec16{} - 87.3f;
+// softmax and SiLU never need smaller). Lane by lane the same operations at any width.
+inline vecn expn(vecn x) {
+  const vecn hi = vecn{} + 88.7f, lo = vecn{} - 87.3f;
   x = x > hi ? hi : x;
   x = x < lo ? lo : x;
-  const vec16 n = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f + (x >= 0 ? 0.5f : -0.5f), ivec16), vec16);
-  const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
+  const vecn n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x >= 0 ? 0.5f : -0.5f), ivecn), vecn);
+  const vecn r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vecn p = vecn{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  vec16 scale;
+  const ivecn bits = (__builtin_convertvector(n, ivecn) + 127) << 23;
+  vecn scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
 
 // in place: x[i] = exp(x[i] - shift), returns the sum
 inline float exp_shift_sum(float* x, int64_t n, float shift) {
-  vec16 total{};
+  vecn total{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const vec16 e = exp16(load16(x + i) - shift);
-    __builtin_memcpy(x + i, &e, sizeof e);
+  for (; i + kVecLanes <= n; i += kVecLanes) {
+    const vecn e = expn(loadn(x + i) - shift);
+    store_vec(x + i, e);
     total += e;
   }
   float sum = hsum(total);

@@ -77,7 +77,6 @@ inline float hsum_reg(vreg v) {
 }
 
 #if defined(__AVX512F__)
-inline vec8_ load8(const float* p) { return *reinterpret_cast<const vec8_*>(p); }
 
 // One row against NR rows of a packed group, in 256-bit halves and with no software prefetch:
 // the packed stream read this way keeps up with memory where 512-bit loads (with or without a
