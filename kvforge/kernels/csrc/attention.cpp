@@ -46,7 +46,7 @@ inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv0, 
 // tree: each level adds the two halves of pairs of vectors, interleaving the pairs,
 //   level 1: [v0 | v1] halves of 8 lanes, level 2: 4 keys x 4 lanes, 3: 8 x 2, 4: 16 x 1
 // (45 vector ops for 16 dot products, where 16 separate horizontal sums take ~130).
-inline vec16 transpose_sum16(const vec16* v) {
+inline vec16 transpose_sum(const vec16* v) {
   vec16 c[8], d[4], e[2];
   for (int i = 0; i < 8; ++i)
     c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
@@ -74,7 +74,7 @@ inline vec16 transpose_sum16(const vec16* v) {
 // and ran 5x slower than the AVX-512 build at batch 64):
 //   level 1: [v0 | v1] halves of 4 lanes (a 128-bit permute), level 2: 4 keys x 2 lanes,
 //   level 3: 8 keys x 1 lane in the order [0 2 4 6 | 1 3 5 7] (in-lane shuffles), put in order
-inline vec8 transpose_sum8(const vec8* v) {
+inline vec8 transpose_sum(const vec8* v) {
   vec8 c[4], d[2];
   for (int i = 0; i < 4; ++i)
     c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -90,31 +90,30 @@ inline vec8 transpose_sum8(const vec8* v) {
   return __builtin_shufflevector(e, e, 0, 4, 1, 5, 2, 6, 3, 7);
 }
 
-// scale * q . K[t] for 16 keys t (token rows `stride` floats apart) into sc[0..15]; dim a
-// multiple of the vector width
+// q . K[t] for as many keys t as a V has lanes (token rows `stride` floats apart): one vector
+// accumulator a key, one transposed reduction (dim a multiple of the lanes)
+template <class V>
+inline V key_dots(const float* qh, const float* key, int64_t stride, int64_t dim) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  const auto at = [](const float* p) { return *reinterpret_cast<const V*>(p); };
+  V acc[kLanes];
+  for (int t = 0; t < kLanes; ++t) acc[t] = at(qh) * at(key + t * stride);
+  for (int64_t d = kLanes; d < dim; d += kLanes) {
+    const V qd = at(qh + d);
+    for (int t = 0; t < kLanes; ++t) acc[t] += qd * at(key + t * stride + d);
+  }
+  return transpose_sum(acc);
+}
+
+// scale * q . K[t] for 16 keys t into sc[0..15]: one 16-key tile with AVX-512, two of 8 keys
+// with AVX2 (8 ymm accumulators + q fit its 16 registers)
 inline void scores_16(const float* qh, const float* key, int64_t stride, int64_t dim, float scale,
                       float* sc) {
 #if defined(__AVX512F__)
-  vec16 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = load16(qh) * load16(key + t * stride);
-  for (int64_t d = 16; d < dim; d += 16) {
-    const vec16 qd = load16(qh + d);
-    for (int t = 0; t < 16; ++t) acc[t] += qd * load16(key + t * stride + d);
-  }
-  const vec16 s16 = transpose_sum16(acc) * scale;
-  store_vec(sc, s16);
+  store_vec(sc, key_dots<vec16>(qh, key, stride, dim) * scale);
 #else
-  for (int half = 0; half < 2; ++half) {      // 8 keys at a time: 8 accumulators + q in ymm
-    const float* k8 = key + 8 * half * stride;
-    vec8 acc[8];
-    for (int t = 0; t < 8; ++t) acc[t] = load8(qh) * load8(k8 + t * stride);
-    for (int64_t d = 8; d < dim; d += 8) {
-      const vec8 qd = load8(qh + d);
-      for (int t = 0; t < 8; ++t) acc[t] += qd * load8(k8 + t * stride + d);
-    }
-    const vec8 s8 = transpose_sum8(acc) * scale;
-    store_vec(sc + 8 * half, s8);
-  }
+  for (int half = 0; half < 2; ++half)
+    store_vec(sc + 8 * half, key_dots<vec8>(qh, key + 8 * half * stride, stride, dim) * scale);
 #endif
 }
 
@@ -151,9 +150,10 @@ inline void accumulate_values(float* a, const float* val, int64_t stride, int64_
 // block by block with an online softmax: per head a running max m, sum l and accumulator acc,
 // rescaled by e^(m_old - m_new) when a block raises the max. Per block and KV head:
 //
-//   scores[t] = scale * q_h . K[t]       16 keys at once: 16 vector accumulators, one
-//                                        transposed reduction (transpose_sum16)
-//   acc_h    += sum_t e^(scores[t] - m) V[t]   one register per 16 dims, carried over the rows
+//   scores[t] = scale * q_h . K[t]       16 keys at once (scores_16): a vector accumulator
+//                                        a key, one transposed reduction (transpose_sum)
+//   acc_h    += sum_t e^(scores[t] - m) V[t]   one register per 16 (AVX2: 8) dims, carried
+//                                              over the rows (accumulate_values)
 //
 // so a block's K and V rows are read back to back while the next block is prefetched.
 void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
