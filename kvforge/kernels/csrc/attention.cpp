@@ -23,13 +23,6 @@ namespace {
 // one at a time, and a request's tokens do not depend on what it is batched with).
 constexpr int64_t kChunk = 256;
 
-// the vector width of the score and value loops (scores_16, accumulate_values)
-#if defined(__AVX512F__)
-constexpr int64_t kAttentionLanes = 16;
-#else
-constexpr int64_t kAttentionLanes = 8;
-#endif
-
 using Partial = DecodeAttentionPlan::Partial;
 
 // Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
@@ -105,43 +98,31 @@ inline V key_dots(const float* qh, const float* key, int64_t stride, int64_t dim
   return transpose_sum(acc);
 }
 
-// scale * q . K[t] for 16 keys t into sc[0..15]: one 16-key tile with AVX-512, two of 8 keys
-// with AVX2 (8 ymm accumulators + q fit its 16 registers)
+// scale * q . K[t] for 16 keys t into sc[0..15], in tiles of one register's width (kernels.h's
+// vecn): one 16-key tile with AVX-512, two of 8 keys with AVX2 (8 ymm accumulators + q fit its
+// 16 registers)
 inline void scores_16(const float* qh, const float* key, int64_t stride, int64_t dim, float scale,
                       float* sc) {
-#if defined(__AVX512F__)
-  store_vec(sc, key_dots<vec16>(qh, key, stride, dim) * scale);
-#else
-  for (int half = 0; half < 2; ++half)
-    store_vec(sc + 8 * half, key_dots<vec8>(qh, key + 8 * half * stride, stride, dim) * scale);
-#endif
+  for (int t0 = 0; t0 < 16; t0 += kVecLanes)
+    store_vec(sc + t0, key_dots<vecn>(qh, key + t0 * stride, stride, dim) * scale);
 }
 
 // a[0..dim_v) += sum_t sc[t] * V[t] over len token rows (`stride` floats apart); dim_v a
-// multiple of the vector width. 4 vectors of dims at a time: 4 independent FMA chains over keys
+// multiple of kVecLanes. 4 vectors of dims at a time: 4 independent FMA chains over keys
 inline void accumulate_values(float* a, const float* val, int64_t stride, int64_t len,
                               int64_t dim_v, const float* sc) {
-#if defined(__AVX512F__)
-  using vreg = vec16;
-  constexpr int64_t kWidth = 16;
-#else
-  using vreg = vec8;
-  constexpr int64_t kWidth = 8;
-#endif
+  constexpr int64_t L = kVecLanes;
   int64_t d = 0;
-  for (; d + 4 * kWidth <= dim_v; d += 4 * kWidth) {
-    vreg ad[4];
-    for (int c = 0; c < 4; ++c) ad[c] = *reinterpret_cast<const vreg*>(a + d + kWidth * c);
-    for (int64_t t = 0; t < len; ++t) {
-      const vreg* vt = reinterpret_cast<const vreg*>(val + t * stride + d);
-      for (int c = 0; c < 4; ++c) ad[c] += sc[t] * vt[c];
-    }
-    for (int c = 0; c < 4; ++c) store_vec(a + d + kWidth * c, ad[c]);
-  }
-  for (; d < dim_v; d += kWidth) {
-    vreg ad = *reinterpret_cast<const vreg*>(a + d);
+  for (; d + 4 * L <= dim_v; d += 4 * L) {
+    vecn ad[4];
+    for (int c = 0; c < 4; ++c) ad[c] = loadn(a + d + L * c);
     for (int64_t t = 0; t < len; ++t)
-      ad += sc[t] * *reinterpret_cast<const vreg*>(val + t * stride + d);
+      for (int c = 0; c < 4; ++c) ad[c] += sc[t] * loadn(val + t * stride + d + L * c);
+    for (int c = 0; c < 4; ++c) store_vec(a + d + L * c, ad[c]);
+  }
+  for (; d < dim_v; d += L) {
+    vecn ad = loadn(a + d);
+    for (int64_t t = 0; t < len; ++t) ad += sc[t] * loadn(val + t * stride + d);
     store_vec(a + d, ad);
   }
 }
@@ -162,7 +143,7 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
                   std::vector<float>& scores) {
   const int64_t dim = keys.dim, dim_v = values.dim;
   const int64_t block = keys.block_size;
-  const bool lanes = dim % kAttentionLanes == 0 && dim_v % kAttentionLanes == 0;
+  const bool lanes = dim % kVecLanes == 0 && dim_v % kVecLanes == 0;
   const int64_t kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
   part.max.assign(h1 - h0, -INFINITY);
   part.sum.assign(h1 - h0, 0.f);
