@@ -54,22 +54,7 @@ inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8*>(p); }
 inline void store_vec(float* p, vec16 v) { *reinterpret_cast<vec16*>(p) = v; }
 inline void store_vec(float* p, vec8 v) { *reinterpret_cast<vec8*>(p) = v; }
 
-// horizontal sum by halving (the halves are free register views, no scalar loop)
-inline float hsum(vec16 v) {
-  vec8 a, b;
-  __builtin_memcpy(&a, &v, sizeof a);
-  __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  const vec8 s8 = a + b;
-  vec4 c, d;
-  __builtin_memcpy(&c, &s8, sizeof c);
-  __builtin_memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof c, sizeof d);
-  const vec4 s4 = c + d;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-
+// horizontal sums by halving (the halves are free register views, no scalar loop)
 inline float hsum(vec8 v) {
   vec4 c, d;
   __builtin_memcpy(&c, &v, sizeof c);
@@ -77,6 +62,15 @@ inline float hsum(vec8 v) {
   const vec4 s4 = c + d;
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
+inline float hsum(vec16 v) {
+  vec8 a, b;
+  __builtin_memcpy(&a, &v, sizeof a);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  return hsum(a + b);
+}
+
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
 
 // The build's native float vector, one register of its ISA: 16 lanes with AVX-512, 8 with
 // AVX2. Loops over plain arrays (SiLU, softmax, argmax) take it: with AVX2 a 16-lane vector is

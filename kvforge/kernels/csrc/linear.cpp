@@ -77,7 +77,6 @@ inline float hsum_reg(vreg v) {
 }
 
 #if defined(__AVX512F__)
-
 // One row against NR rows of a packed group, in 256-bit halves and with no software prefetch:
 // the packed stream read this way keeps up with memory where 512-bit loads (with or without a
 // prefetch ahead) fall behind. One 138M-float packed weight in huge pages at 1 row, as a
