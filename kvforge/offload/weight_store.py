@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvforge.offload.direct_io import ALIGN, DiskFile, align_up, write_file
-from kvforge.quant.gguf import GGUF_BLOCKS_BUFFER
+from kvforge.quant.gguf import blocks_buffer_name
 
 MANIFEST = "manifest.json"
 STORE_VERSION = 1
@@ -59,8 +59,7 @@ def _logical_params(layer: nn.Module) -> dict[str, int]:
     params = {}
     for mod_name, module in layer.named_modules():
         for i, b in enumerate(getattr(module, "gguf_blocks", None) or []):
-            name = f"{GGUF_BLOCKS_BUFFER}{i}"
-            name = f"{mod_name}.{name}" if mod_name else name
+            name = f"{mod_name}.{blocks_buffer_name(i)}" if mod_name else blocks_buffer_name(i)
             params[name] = b.shape[0] * b.in_features
     return params
 

@@ -5,7 +5,7 @@ import torch
 
 from kvforge.layers.linear import Linear, UnquantizedLinearMethod
 from kvforge.quant.base import is_lm_head
-from kvforge.quant.gguf import GGUF_BLOCKS_BUFFER, GGUFEmbedding
+from kvforge.quant.gguf import GGUFEmbedding, gguf_block_buffers
 
 
 def average_bits(model: torch.nn.Module) -> float:
@@ -25,10 +25,9 @@ def average_bits(model: torch.nn.Module) -> float:
             bits += 32 * module.input_size * module.output_size
             continue
         # parameters, and a GGUF layer's blocks (buffers: views of the mapped file)
-        blocks = [(name, b) for name, b in module.named_buffers(recurse=False)
-                  if name.startswith(GGUF_BLOCKS_BUFFER)]
-        stored = [*module.named_parameters(recurse=False), *blocks]
-        bits += sum(8 * p.numel() * p.element_size() for name, p in stored if name != "bias")
+        stored = [p for name, p in module.named_parameters(recurse=False) if name != "bias"]
+        stored += gguf_block_buffers(module)
+        bits += sum(8 * p.numel() * p.element_size() for p in stored)
     if weights == 0:
         raise ValueError("the model has no linear layers")
     return bits / weights

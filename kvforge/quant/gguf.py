@@ -41,6 +41,18 @@ from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_qua
 # mapped file; never saved)
 GGUF_BLOCKS_BUFFER = "gguf_raw_"
 
+
+def blocks_buffer_name(shard: int) -> str:
+    """The name of a layer's buffer holding block shard ``shard``."""
+    return f"{GGUF_BLOCKS_BUFFER}{shard}"
+
+
+def gguf_block_buffers(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
+    """The GGUF block shards ``module`` holds (with ``recurse``, its submodules' too: a shard
+    two modules share, as a tied head and embedding do, once); none for other modules."""
+    return [b for name, b in module.named_buffers(recurse=recurse)
+            if name.rpartition(".")[2].startswith(GGUF_BLOCKS_BUFFER)]
+
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                 "Q6_K")
 # HF names of the weights kept as blocks: the projections, the head and the embedding
@@ -179,7 +191,7 @@ class GGUFLinearMethod(LinearMethod):
             raise ValueError(f"GGUF layer got {expected} of {layer.output_size} weight rows")
         blocks = [b for _, b in shards]
         for i, b in enumerate(blocks):      # visible to state inspection, never saved
-            layer.register_buffer(f"{GGUF_BLOCKS_BUFFER}{i}", b.raw, persistent=False)
+            layer.register_buffer(blocks_buffer_name(i), b.raw, persistent=False)
         self._install(layer, blocks)
 
     def _install(self, layer, blocks: list[GGUFBlocks]) -> None:
@@ -199,7 +211,8 @@ class GGUFLinearMethod(LinearMethod):
         """Drop the layer's bytes (the file's map, or RAM copies of reordered rows) and keep
         only its layout, until ``rebind``: an offloaded layer between its reads."""
         for i, b in enumerate(layer.gguf_blocks):
-            layer._buffers[f"{GGUF_BLOCKS_BUFFER}{i}"] = torch.empty(0, b.raw.shape[1], dtype=torch.uint8)
+            layer._buffers[blocks_buffer_name(i)] = torch.empty(0, b.raw.shape[1],
+                                                                dtype=torch.uint8)
         layer.gguf_blocks = _blocks_over_buffers(layer)
         self.kernel_weight = self._dense = None
 
@@ -226,7 +239,7 @@ class GGUFLinearMethod(LinearMethod):
 
 def _blocks_over_buffers(layer) -> list[GGUFBlocks]:
     """The layer's shards (types, widths, names as loaded) over its current ``gguf_raw_i``."""
-    return [GGUFBlocks(layer._buffers[f"{GGUF_BLOCKS_BUFFER}{i}"], b.type_name, b.in_features, b.name)
+    return [GGUFBlocks(layer._buffers[blocks_buffer_name(i)], b.type_name, b.in_features, b.name)
             for i, b in enumerate(layer.gguf_blocks)]
 
 

@@ -21,7 +21,7 @@ from kvforge.layers.moe import FusedMoE
 from kvforge.loader.source import ModelSource
 from kvforge.models.registry import get_model_class
 from kvforge.quant.base import QuantizationConfig, get_quantization_config, is_moe_router
-from kvforge.quant.gguf import GGUF_BLOCKS_BUFFER
+from kvforge.quant.gguf import gguf_block_buffers
 from kvforge.quant.moe_experts import replace_experts_method
 from kvforge.quant.serialize import iter_saved_weights, read_saved_quantization
 
@@ -127,8 +127,7 @@ def load_model(source: ModelSource, *, quantization: str = "none",
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter (quantized codes, scales, float norms and embeddings) and of
     the GGUF blocks a natively run file keeps as buffers (views of the mapped file)."""
-    blocks = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
-                 if name.rpartition(".")[2].startswith(GGUF_BLOCKS_BUFFER))
+    blocks = sum(b.numel() * b.element_size() for b in gguf_block_buffers(model, recurse=True))
     return sum(p.numel() * p.element_size() for p in model.parameters()) + blocks
 
 

@@ -67,8 +67,8 @@ def test_short_run_reports_rows_that_agree_with_hf(capsys, hf_smollm):
 
 def test_a_native_gguf_model_reports_its_blocks_bytes_and_bits():
     """The default file runs in its own Q4_1 blocks (buffers over the mapped file; only the
-    norms are parameters): its size is the blocks' bytes and its projections 5.0 bits a weight (20 bytes
-    per 32), the Q8_0 embedding left out as other methods' embeddings are."""
+    norms are parameters): its size is the blocks' bytes and its projections 5.0 bits a weight
+    (20 bytes per 32), the Q8_0 embedding left out as other methods' embeddings are."""
     from kvforge import LLM
     from kvforge.loader.default_model import default_model_path
     from kvforge.quant.bits import average_bits
