@@ -16,13 +16,26 @@ int32 (checked for odd shapes such as 5x7x3 in tests/quant/test_w8a8_ops.py), so
 needed there; cuBLAS (CUDA) takes only M > 16 and M, K, N multiples of 8, so ``int_mm`` pads
 with zeros elsewhere. An int32 accumulator cannot overflow here: |acc| <= K * 127 * 127, < 2^31
 for K < 133k.
+
+Not every CPU's ``torch._int_mm`` is exact: oneDNN's AVX2 kernel for CPUs without VNNI adds
+128 to one operand and multiplies u8 x s8 pairs into a saturating int16 (``vpmaddubsw``), so
+64 products of 127 x 127 came back as 8,160 instead of 1,032,256. Where it is not exact, or is
+slower than fp32 (no VNNI: ~20x on a 2-core EPYC), ``int_mm`` multiplies the int8 values as
+fp32 in slabs of ``EXACT_FP32_K`` along K: every slab's sum is an integer below 2^24, which fp32
+holds exactly, so the int32 result is the same either way.
 """
 from __future__ import annotations
+
+import functools
+import time
 
 import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127
+# fp32 holds every integer up to 2^24 exactly; a dot product of K int8 x int8 terms is at most
+# K * 128^2 in magnitude, <= 2^24 for K <= 1024
+EXACT_FP32_K = 1024
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +56,60 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], exact on any device."""
-    return torch._int_mm(a, b) if a.is_cpu else padded_int_mm(a, b)
+    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], exact on any device: ``torch._int_mm``
+    on a CPU where it is exact and the faster (``int_mm_pays``), else exact fp32 slabs."""
+    if not a.is_cpu:
+        return padded_int_mm(a, b)
+    return torch._int_mm(a, b) if int_mm_pays() else exact_float_matmul(a, b)
+
+
+def exact_float_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] int8 @ b [..., K, N] int8 -> the exact int32 sums, as fp32 GEMMs of slabs
+    of ``EXACT_FP32_K`` along K (each slab's sums are integers fp32 holds exactly)."""
+    acc = None
+    for k0 in range(0, a.shape[-1], EXACT_FP32_K):
+        part = torch.matmul(a[..., k0:k0 + EXACT_FP32_K].float(),
+                            b[..., k0:k0 + EXACT_FP32_K, :].float()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    if acc is None:                                   # K = 0
+        return torch.zeros(*a.shape[:-1], b.shape[-1], dtype=torch.int32, device=a.device)
+    return acc
+
+
+@functools.lru_cache(maxsize=1)
+def int_mm_exact() -> bool:
+    """Whether this CPU's ``torch._int_mm`` returns exact int32 sums, probed once per process
+    on the operands that saturate a 16-bit pair sum (all-127 and mixed signs) and on random
+    ones (module doc: oneDNN's AVX2 kernel without VNNI does not)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.full((24, 64), va, dtype=torch.int8), torch.full((64, 8), vb, dtype=torch.int8))
+             for va in (127, -127) for vb in (127, -127)]
+    pairs.append((torch.randint(-127, 128, (24, 256), dtype=torch.int8, generator=g),
+                  torch.randint(-127, 128, (256, 40), dtype=torch.int8, generator=g)))
+    return all(torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long()) for a, b in pairs)
+
+
+@functools.lru_cache(maxsize=1)
+def int_mm_pays() -> bool:
+    """Whether ``int_mm`` should call ``torch._int_mm`` on this CPU: it is exact here and beats
+    an fp32 GEMM (it needs VNNI-class int8 dot products; without them PyTorch's CPU fallback
+    ran ~20x slower than fp32 on a 2-core EPYC). Timed once per process on a 64 x 512 x 512
+    product; the choice never changes results."""
+    if not int_mm_exact():
+        return False
+    a = torch.randint(-127, 128, (64, 512), dtype=torch.int8)
+    b = torch.randint(-127, 128, (512, 512), dtype=torch.int8)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(lambda: torch._int_mm(a, b)) < best(lambda: a.float() @ b.float())
 
 
 def padded_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

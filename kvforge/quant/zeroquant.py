@@ -25,8 +25,6 @@ weight at load, so it does not combine with LKD (which chooses the codes later).
 """
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,51 +37,20 @@ from kvforge.quant.base import is_lm_head, register_quantization, weight_shard_r
 from kvforge.quant.calibration import CalibratedLinearMethod, CalibratedQuantConfig
 from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import register_row_format
-from kvforge.quant.w8a8_ops import INT8_MAX, int_mm
+from kvforge.quant.w8a8_ops import INT8_MAX, exact_float_matmul, int_mm, int_mm_pays
 
 ZEROQUANT_GROUP_SIZES = (0, 32, 64, 128, 256)
-# fp32 holds every integer below 2^24 exactly; a group's int8 x int8 dot product is at most
-# G * 127^2, below 2^24 for G <= 1040, so an fp32 GEMM of int8 values is the exact int32 sum
-EXACT_FP32_GROUP = 1024
 
 
 def group_int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """Per-group integer products: xq [ng, T, G] int8, wq [ng, G, n] int8 -> [ng, T, n] fp32
-    holding the exact int32 sums. ``torch._int_mm`` where it is faster than fp32 on this CPU
-    (``int_mm_pays``), else an fp32 batched GEMM of the int8 values, exact for G <= 1024 and
-    done in exact slabs of 1024 for wider (per-channel) groups: the same numbers either way.
-    Off the CPU: the fp32 GEMM (the one-off CPU timing says nothing about that device)."""
+    holding the exact int32 sums. ``torch._int_mm`` where it is exact and faster than fp32 on
+    this CPU (``int_mm_pays``), else an fp32 batched GEMM of the int8 values in exact slabs
+    (``exact_float_matmul``): the same numbers either way. Off the CPU: the fp32 GEMM (the
+    one-off CPU timing says nothing about that device)."""
     if xq.is_cpu and int_mm_pays():
         return torch.stack([int_mm(xq[g], wq[g]) for g in range(xq.shape[0])]).float()
-    width = xq.shape[-1]
-    if width <= EXACT_FP32_GROUP:
-        return torch.bmm(xq.float(), wq.float())
-    acc = None
-    for k0 in range(0, width, EXACT_FP32_GROUP):
-        part = torch.bmm(xq[..., k0:k0 + EXACT_FP32_GROUP].float(),
-                         wq[:, k0:k0 + EXACT_FP32_GROUP].float()).to(torch.int32)
-        acc = part if acc is None else acc + part
-    return acc.float()
-
-
-@functools.lru_cache(maxsize=1)
-def int_mm_pays() -> bool:
-    """Whether ``torch._int_mm`` beats an fp32 GEMM here (it needs VNNI-class int8 dot
-    products; without them PyTorch's CPU fallback ran ~20x slower than fp32 on a 2-core EPYC).
-    Measured once per process on a 64 x 512 x 512 product; the choice never changes results."""
-    a = torch.randint(-127, 128, (64, 512), dtype=torch.int8)
-    b = torch.randint(-127, 128, (512, 512), dtype=torch.int8)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    return best(lambda: torch._int_mm(a, b)) < best(lambda: a.float() @ b.float())
+    return exact_float_matmul(xq, wq).float()
 
 
 def group_width(group_size: int, in_features: int) -> int:
