@@ -145,9 +145,11 @@ def test_argmax_rows_matches_torch(compiled, cols):
 @needs_kernels
 @pytest.mark.parametrize("shape", [(960, 576), (13, 32), (3, 16), (37, 4112)])  # pad, K blocks
 def test_packed_layout_round_trip(compiled, shape):
-    """packed[g, kb, j] = W[8g + j, kb*L:(kb+1)*L], rows padded with zeros to a whole group."""
+    """packed[g, kb, j] = W[Rg + j, kb*L:(kb+1)*L], rows padded with zeros to a whole group
+    (AVX-512: R = 8, L = 16; AVX2 panels: R = 24, L = 1)."""
     rows, lanes = ops.packed_layout()
-    assert (rows, lanes) == (compiled.linear_pack_rows, compiled.linear_lanes)
+    assert (rows, lanes) == (compiled.linear_pack_rows, compiled.linear_pack_lanes)
+    assert (rows, lanes) in ((8, 16), (24, 1))
     w = torch.randn(*shape)
     p = ops.pack_linear_weight(w)
     groups = -(-shape[0] // rows)
@@ -161,7 +163,8 @@ def test_packed_layout_round_trip(compiled, shape):
 @needs_kernels
 def test_pack_refuses_what_the_kernel_cannot_take(compiled):
     _, lanes = ops.packed_layout()
-    assert ops.pack_linear_weight(torch.randn(8, lanes + 1)) is None          # K off the lanes
+    off_lanes = ops.pack_linear_weight(torch.randn(8, lanes + 1))
+    assert (off_lanes is None) == (lanes > 1)             # K off the lanes (panels take any K)
     assert ops.pack_linear_weight(torch.randn(8, lanes, dtype=torch.float64)) is None
     assert ops.pack_linear_weight(torch.randn(8, lanes)) is not None
 
@@ -248,8 +251,10 @@ def test_pack_linear_layer(compiled, rows, monkeypatch):
     assert layer(x).shape == (2, rows, 40)
     with pytest.raises(ValueError, match="packed"):
         layer.load_weight("weight", w)
-    odd = Linear(36, 8)                                     # K = 36: not a multiple of the lanes
-    assert not pack_linear(odd) and type(odd.method) is UnquantizedLinearMethod
+    odd = Linear(36, 8)                       # K = 36: off AVX-512's lanes (panels take it)
+    lanes = ops.packed_layout()[1]
+    assert pack_linear(odd) == (36 % lanes == 0)
+    assert (type(odd.method) is PackedLinearMethod) == (36 % lanes == 0)
 
 
 @needs_kernels
@@ -509,10 +514,10 @@ def test_decode_stack_team_on_any_thread_count(compiled, tiny_model_factory, mon
 
 @needs_kernels
 def test_stack_packs_what_it_can(compiled, tiny_model_factory, monkeypatch):
-    """Building the stack packs the fp32 projections whose K fits the lanes (the Python layers
-    then run packed too) and leaves the others row-major: intermediate 36 keeps down_proj
-    row-major; outputs equal the Python layers either way. Packing is forced on: by default
-    AVX2 builds pack nothing (``ops.packing_pays``), yet the packed path must hold there too."""
+    """Building the stack packs the fp32 projections whose K fits the packed layout's lanes (the
+    Python layers then run packed too) and leaves the others row-major: intermediate 36 keeps
+    down_proj row-major with AVX-512's 16 lanes (AVX2 panels take any K); outputs equal the
+    Python layers either way. Packing is forced on, as ``KVFORGE_PACKED_WEIGHTS=1`` does."""
     from kvforge.engine.llm import LLM
     from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod
     hf_dir, _ = tiny_model_factory("llama", intermediate_size=36)
@@ -524,7 +529,8 @@ def test_stack_packs_what_it_can(compiled, tiny_model_factory, monkeypatch):
     for layer in llm.engine.runner.model.model.layers:
         assert type(layer.self_attn.qkv_proj.method) is packed
         assert type(layer.mlp.gate_up_proj.method) is packed
-        assert type(layer.mlp.down_proj.method) is UnquantizedLinearMethod
+        down = packed if 36 % ops.packed_layout()[1] == 0 else UnquantizedLinearMethod
+        assert type(layer.mlp.down_proj.method) is down
 
 
 @needs_kernels

@@ -72,19 +72,23 @@ def test_every_tile_blocking_and_prefetch_matches_the_reference(name, rows, in_f
 
 @pytest.mark.parametrize("name", ["avx2", "avx512"])
 def test_packed_plans_match_the_reference(name):
+    """Every tile, K split and row block of the packed kernel, on this ISA's layout
+    [groups, K / lanes, R, lanes] (ops.py; AVX2 panels: R = 24, lanes = 1), ragged groups;
+    300 rows: AVX2 panels past their K-split range take x in row blocks."""
     module = _module(name)
-    lanes = int(module.linear_lanes)
-    for rows in (1, 2, 5, 9):
-        x, w = _xw(rows, 4 * lanes, 21, seed=rows)
-        groups = -(-21 // 8)     # this ISA's layout [groups, K / lanes, 8, lanes] (ops.py)
-        padded = F.pad(w, (0, 0, 0, groups * 8 - 21))
-        packed = padded.view(groups, 8, 4, lanes).permute(0, 2, 1, 3).contiguous()
+    group, lanes = int(module.linear_pack_rows), int(module.linear_pack_lanes)
+    k = 4 * int(module.linear_lanes)
+    for rows in (1, 2, 5, 9, 300):
+        x, w = _xw(rows, k, 21, seed=rows)
+        groups = -(-21 // group)
+        padded = F.pad(w, (0, 0, 0, groups * group - 21))
+        packed = padded.view(groups, group, k // lanes, lanes).permute(0, 2, 1, 3).contiguous()
         for m in (0, 1, 2, 3, 4):
             for n in (0, 2, 8):
                 if (m == 0) != (n == 0):
                     continue
-                for block_k in (0, lanes):
-                    y = module.linear_with_plan(x, packed, 21, m, n, block_k)
+                for block_k, block_m in ((0, 0), (lanes, 0), (max(lanes, 8), 3)):
+                    y = module.linear_with_plan(x, packed, 21, m, n, block_k, block_m)
                     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 

@@ -34,7 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("packed_rows", &kvforge::packed_rows, "rows of a packed weight (an embedding lookup)",
         release_gil());
-  m.attr("linear_lanes") = kvforge::kLanes;          // the packed layout's geometry
+  m.attr("linear_lanes") = kvforge::kLanes;          // vector width
+  m.attr("linear_pack_lanes") = kvforge::kPackLanes;  // the packed layout's geometry
   m.attr("linear_pack_rows") = kvforge::kPackRows;
   m.attr("linear_packing_pays") = kvforge::kPackingPays;   // whether layers should be packed
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,

@@ -39,7 +39,7 @@ struct Projection {
       p.packed = t[0].cast<at::Tensor>();
       p.packed_out = t[1].cast<int64_t>();
       TORCH_CHECK(p.packed.dim() == 4, "packed weight must be 4-D");
-      check_packed_weight(p.packed, p.packed.size(1) * kLanes, p.packed_out);
+      check_packed_weight(p.packed, p.packed.size(1) * kPackLanes, p.packed_out);
     } else if (pybind11::isinstance<GgufWeight>(obj)) {
       p.gguf = obj.cast<const GgufWeight*>();
       p.owner = obj;
@@ -84,7 +84,7 @@ struct Projection {
 
   int64_t in_features() const {
     if (gguf != nullptr) return gguf->in_features();
-    return packed.defined() ? packed.size(1) * kLanes : weight.size(1);
+    return packed.defined() ? packed.size(1) * kPackLanes : weight.size(1);
   }
   int64_t out_features() const {
     if (gguf != nullptr) return gguf->out_features();

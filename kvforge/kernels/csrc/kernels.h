@@ -153,16 +153,23 @@ constexpr int64_t kLinearRowsMin = 1;
 constexpr int64_t kLinearRowsMax = 256;
 // Vector lanes of the build (AVX-512: 16, AVX2: 8), rows the few-rows tile serves in one pass
 // over W, and the row group of the packed weight layout (linear.cpp's map).
+// The packed layout P[N / kPackRows][K / kPackLanes][kPackRows][kPackLanes] (linear.cpp's
+// maps): AVX-512 groups of 8 rows in 16-float lane blocks; AVX2 panels of 24 rows, K-major
+// (kPackLanes = 1: P[g][k][j] = W[24 g + j][k]), the outer-product tile's operand.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kFewRowsMax = 8;
+constexpr int kPackRows = 8, kPackLanes = 16;
 #else
 constexpr int kLanes = 8, kFewRowsMax = 4;
+constexpr int kPackRows = 24, kPackLanes = 1;
 #endif
-constexpr int kPackRows = 8;
+// whether layers should be packed (ops.packing_pays): each build's packed kernel is its faster
+// one from 1 row up (linear.cpp)
+constexpr bool kPackingPays = true;
 void linear_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out);
-// The same product over a packed weight [ceil(out / 8), in / kLanes, 8, kLanes] (in % kLanes
-// == 0; rows past `out` are padding): one sequential stream per thread (linear.cpp).
+// The same product over a packed weight [ceil(out / kPackRows), in / kPackLanes, kPackRows,
+// kPackLanes] (rows past `out` are padding): one sequential stream per thread (linear.cpp).
 void linear_packed(const float* x, int64_t xs, const float* packed, float* y, int64_t rows,
                    int64_t in, int64_t out);
 // row `row` of a packed weight (in floats wide) into out[0:in] (a tied LM head's embedding)

@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+#include <immintrin.h>
+
 namespace kvforge {
 // y [M, N] = x [M, K] @ W[N, K]^T: the projections of decode steps, speculative verification
 // and short prefill chunks (M = kLinearRowsMin .. kLinearRowsMax), where MKL runs at 40-100
@@ -28,7 +30,11 @@ namespace kvforge {
 //
 //   row-major W[N][K]            row_stride = K,      k_step = 1   (HF layout: a tied LM head,
 //                                                                   any weight we do not own)
-//   packed    P[N/8][K/L][8][L]  row_stride = L,      k_step = 8   (L = lanes; rows padded to 8)
+//   packed    P[N/8][K/L][8][L]  row_stride = L,      k_step = 8   (AVX-512, L = 16 lanes;
+//                                                                   rows padded to 8)
+//
+// (AVX2 builds pack W in K-major panels of 24 rows instead, for an outer-product tile of
+// their own: the panel section at the end.)
 //
 //        group g (rows 8g..8g+7):  | k 0..L-1: r0 r1 .. r7 | k L..2L-1: r0 r1 .. r7 | ...
 //
@@ -46,15 +52,13 @@ namespace {
 // each group in partial passes, which measured slower (SmolLM2's 120 projections at 8 rows:
 // 2-wide 24.5 ms, 3-wide 23.0, 3 + 3 + 2 rows x 8 wide 20.2, 4 + 4 rows 18.9; row-major 16.3).
 // So for 5-8 rows row-major wins (the decode stack keeps it when speculation verifies 8 rows);
-// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster. With
-// AVX2's 16 registers the packed 2 x 8 tile spills: no faster at 1-2 rows, 0.7-0.8x from 4, so
-// those builds do not pack (kPackingPays; the kernel still runs a packed weight it is given).
+// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster.
+// AVX2's 16 registers spill that packed tile, so AVX2 builds pack W in panels instead and
+// multiply them in outer-product form (the panel section below).
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr bool kPackingPays = true;   // tile widths: linear_plan.cpp
 #else
 typedef float vreg __attribute__((vector_size(32), aligned(4), may_alias));
-constexpr bool kPackingPays = false;
 #endif
 typedef float vec8_ __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float vec4_ __attribute__((vector_size(16), aligned(4), may_alias));
@@ -91,7 +95,7 @@ void packed_row_tile(const float* __restrict x, const float* __restrict w, float
   for (int64_t k = k0; k < k1; k += kLanes) {      // packed: k1 - k0 is whole lane blocks
     const vec8_ x0 = load8(x + k), x1 = load8(x + k + 8);
     for (int n = 0; n < NR; ++n) {
-      const float* wk = w + n * kLanes + k * kPackRows;
+      const float* wk = w + n * kPackLanes + k * kPackRows;
       vec8_ lo = load8(wk), hi = load8(wk + 8);
       asm("" : "+v"(lo), "+v"(hi));             // plain loads, not folded into the FMAs
       acc[n][0] += x0 * lo;
@@ -122,7 +126,8 @@ void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int6
     return;
   }
 #endif
-  const int64_t row_stride = Packed ? kLanes : ws, k_step = Packed ? kPackRows : 1;
+  // packed (AVX-512 only): kPackLanes == kLanes, one lane block of a row per k step
+  const int64_t row_stride = Packed ? kPackLanes : ws, k_step = Packed ? kPackRows : 1;
   vreg acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = vreg{};
@@ -172,7 +177,9 @@ struct TileTable {                        // fn[MR - 1][NR - 1]: edge tiles of a
   }
 };
 constexpr TileTable<false> kTiles{};
+#if defined(__AVX512F__)
 constexpr TileTable<true> kPackedTiles{};
+#endif
 
 // columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width; tiles up to
 // column ahead_end (>= n1: this thread reads on there next) are prefetched. Loop nest (the
@@ -205,6 +212,7 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
   }
 }
 
+#if defined(__AVX512F__)
 // Packed tiles of 2-4 rows prefetch into L2 this far (in floats) ahead of their loads, along
 // the one stream: 4 KB measured best of 0-64 KB (2 threads, fast and slow memory modes alike;
 // the row-major tiles want two whole tiles, ~36 KB, of distance, see above). One row reads
@@ -228,9 +236,9 @@ void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, i
           const int mr = static_cast<int>(std::min<int64_t>(shape.tile_m, rows - m));
           // every tile of the first row tile prefetches its own rows' lines, so memory
           // streams through all of a group's passes (a narrow tile reads part of each k step)
-          const float* ahead = (m == 0 && g + 1 < ahead_end) ? group + j * kLanes + kPackedAhead
+          const float* ahead = (m == 0 && g + 1 < ahead_end) ? group + j * kPackLanes + kPackedAhead
                                                              : nullptr;
-          kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kLanes, in,
+          kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kPackLanes, in,
                                           y + m * out + g * kPackRows + j, out, k0, k1, k0 > 0,
                                           ahead);
         }
@@ -238,6 +246,108 @@ void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, i
     }
   }
 }
+#else
+// ---- AVX2: the packed weight in panels, multiplied in outer-product form --------------------
+//
+//   panel g = output columns 24g .. 24g+23, K-major:   P[g][k][0..23] = W[24g .. 24g+23][k]
+//
+//        k ->
+//   x rows m .. m+MR-1:   x[m][k], one float each, broadcast      MR broadcasts per k
+//   panel row k:          | w 0..7 | w 8..15 | w 16..23 |         3 vector loads per k
+//   acc[m][v] += broadcast(x[m][k]) * w[v]          ->  y[m][24g + 8v ..], no horizontal sums
+//
+// 4 rows x 24 columns: 12 accumulators + 3 W vectors + 1 broadcast fill the 16 ymm registers,
+// 7 loads per 12 FMAs. The dot-product 3 x 4 tile also loads 7 per 12, but its x rows come from
+// L2 at 96 B per k step (8 k) and each tile ends in 12 horizontal sums; here a panel block
+// [block_k x 24] stays in L1 for every row tile and x comes from L2 at 16 B per k. Few rows
+// keep several k steps in flight (separate accumulators: 8+ independent FMA chains).
+constexpr int kPanelVecs = kPackRows / kLanes;
+static_assert(kPanelVecs * kLanes == kPackRows, "a panel is whole vectors wide");
+constexpr int kPanelRowsMax = 4;
+
+// prefetch: the rows of a panel block to pull into L2 meanwhile, one k row per k step, or nullptr
+template <int MR>
+void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict panel,
+                float* __restrict y, int64_t ys, int64_t kn, bool accumulate, int64_t valid,
+                const float* prefetch) {
+  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;      // k steps in flight
+  vec8 acc[U][MR][kPanelVecs];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] = vec8{};
+  const auto step = [&](int u, int64_t k) {
+    const float* pk = panel + k * kPackRows;
+    if (prefetch) __builtin_prefetch(prefetch + k * kPackRows, 0, 1);
+    vec8 w[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) {
+      w[v] = load8(pk + v * kLanes);
+      asm("" : "+v"(w[v]));           // one load each, not one per row folded into the FMAs
+    }
+    for (int m = 0; m < MR; ++m) {
+      // one vbroadcastss from memory (vec8{} + x would add: -0.f + 0.f is not -0.f; the
+      // pointer form of the intrinsic made gcc spill the accumulators around it)
+      const vec8 b = _mm256_set1_ps(x[m * xs + k]);
+      for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] += b * w[v];
+    }
+  };
+  int64_t k = 0;
+  for (; k + U <= kn; k += U)
+    for (int u = 0; u < U; ++u) step(u, k + u);
+  for (; k < kn; ++k) step(0, k);
+  for (int m = 0; m < MR; ++m) {
+    vec8 total[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) {
+      total[v] = acc[0][m][v];
+      for (int u = 1; u < U; ++u) total[v] += acc[u][m][v];
+    }
+    float* row = y + m * ys;
+    if (valid == kPackRows) {
+      for (int v = 0; v < kPanelVecs; ++v)
+        store_vec(row + v * kLanes, accumulate ? load8(row + v * kLanes) + total[v] : total[v]);
+    } else {                            // the last panel's padding columns are not y's
+      float part[kPackRows];
+      for (int v = 0; v < kPanelVecs; ++v) store_vec(part + v * kLanes, total[v]);
+      for (int64_t c = 0; c < valid; ++c) row[c] = accumulate ? row[c] + part[c] : part[c];
+    }
+  }
+}
+
+using PanelFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, bool,
+                         int64_t, const float*);
+constexpr PanelFn kPanelTiles[kPanelRowsMax] = {&panel_tile<1>, &panel_tile<2>, &panel_tile<3>,
+                                                &panel_tile<4>};
+
+// One tile of rows reads a thread's panels as one stream: prefetched this far (floats) ahead.
+constexpr int64_t kPanelAhead = 4096 / 4;
+
+// panels [g0, g1) of a packed W: for each K block, each panel block (in L1) meets every row
+// tile of x (in L2). The first row tile prefetches the next panel's block, which starts
+// [in x 24] floats on: the hardware's stream prefetch does not cross that jump in time.
+void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
+                         int64_t in, int64_t out, int64_t g0, int64_t g1, const LinearPlan& plan,
+                         int64_t ahead_end) {
+  const int64_t panel_floats = kPackRows * in;
+  const bool one_pass = plan.block_k >= in && rows <= plan.tile_m;
+  for (int64_t k0 = 0; k0 < in; k0 += plan.block_k) {
+    const int64_t kn = std::min(in, k0 + plan.block_k) - k0;
+    for (int64_t m0 = 0; m0 < rows; m0 += plan.block_m) {    // x block [block_m x kn] in L2
+      const int64_t m1 = std::min(rows, m0 + plan.block_m);
+      for (int64_t g = g0; g < g1; ++g) {
+        const float* panel = p + g * panel_floats + k0 * kPackRows;
+        const int64_t valid = std::min<int64_t>(kPackRows, out - g * kPackRows);
+        const float* ahead = plan.prefetch_tiles == 0 ? nullptr
+                             : one_pass ? (g + 1 < ahead_end ? panel + kPanelAhead : nullptr)
+                             : g + 1 < ahead_end ? panel + panel_floats : nullptr;
+        for (int64_t m = m0; m < m1; m += plan.tile_m) {
+          const int mr = static_cast<int>(std::min<int64_t>(plan.tile_m, m1 - m));
+          kPanelTiles[mr - 1](x + m * xs + k0, xs, panel, y + m * out + g * kPackRows, out, kn,
+                              k0 > 0, valid, m == m0 ? ahead : nullptr);
+        }
+      }
+    }
+  }
+}
+#endif
 }  // namespace
 
 // Tasks of whole units (tiles, or packed groups) of `unit_rows` rows, >= ~16K floats of W each,
@@ -325,10 +435,10 @@ void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out) {
   check_fp32_cpu(packed, "packed weight");
   TORCH_CHECK(out >= 1 && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(0) == (out + kPackRows - 1) / kPackRows &&
-                  packed.size(1) * kLanes == in && packed.size(2) == kPackRows &&
-                  packed.size(3) == kLanes,
-              "packed weight must be [ceil(out / ", kPackRows, "), in / ", kLanes, ", ",
-              kPackRows, ", ", kLanes, "] for in = ", in, ", out = ", out);
+                  packed.size(1) * kPackLanes == in && packed.size(2) == kPackRows &&
+                  packed.size(3) == kPackLanes,
+              "packed weight must be [ceil(out / ", kPackRows, "), in / ", kPackLanes, ", ",
+              kPackRows, ", ", kPackLanes, "] for in = ", in, ", out = ", out);
 }
 
 at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features) {
@@ -346,7 +456,7 @@ at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_feature
 // embedding lookup): row i is group i / 8, lane block by lane block, at position i % 8
 at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features) {
   TORCH_CHECK(packed.dim() == 4, "packed weight must be 4-D");
-  const int64_t in = packed.size(1) * kLanes;
+  const int64_t in = packed.size(1) * kPackLanes;
   check_packed_weight(packed, in, out_features);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
                   ids.device().is_cpu(), "ids must be a contiguous int64 CPU vector");
@@ -362,10 +472,11 @@ at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features) 
 }
 
 void packed_row(const float* packed, int64_t in, int64_t row, float* out) {
-  const float* group = packed + (row / kPackRows) * kPackRows * in + (row % kPackRows) * kLanes;
-  for (int64_t kb = 0; kb < in / kLanes; ++kb)
-    std::copy(group + kb * kPackRows * kLanes, group + kb * kPackRows * kLanes + kLanes,
-              out + kb * kLanes);
+  const float* group =
+      packed + (row / kPackRows) * kPackRows * in + (row % kPackRows) * kPackLanes;
+  for (int64_t kb = 0; kb < in / kPackLanes; ++kb)
+    std::copy(group + kb * kPackRows * kPackLanes, group + kb * kPackRows * kPackLanes + kPackLanes,
+              out + kb * kPackLanes);
 }
 
 }  // namespace kvforge
