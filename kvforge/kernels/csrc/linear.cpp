@@ -1,7 +1,5 @@
 #include "kernels.h"
 
-#include <immintrin.h>
-
 namespace kvforge {
 // y [M, N] = x [M, K] @ W[N, K]^T: the projections of decode steps, speculative verification
 // and short prefill chunks (M = kLinearRowsMin .. kLinearRowsMax), where MKL runs at 40-100
@@ -285,8 +283,9 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
     }
     for (int m = 0; m < MR; ++m) {
       // one vbroadcastss from memory (vec8{} + x would add: -0.f + 0.f is not -0.f; the
-      // pointer form of the intrinsic made gcc spill the accumulators around it)
-      const vec8 b = _mm256_set1_ps(x[m * xs + k]);
+      // pointer intrinsic _mm256_broadcast_ss made gcc spill the accumulators around it)
+      const float xv = x[m * xs + k];
+      const vec8 b = {xv, xv, xv, xv, xv, xv, xv, xv};
       for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] += b * w[v];
     }
   };
