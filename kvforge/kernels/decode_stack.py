@@ -49,9 +49,9 @@ def build_llama_decode_stack(model):
         norm_eps = eps.pop()
 
     empty = torch.Tensor()
-    # AVX-512's packed layout streams 1-4 rows faster, row-major 5-8 (linear.cpp; AVX2's panels
-    # are even with row-major at 1-8): an engine that verifies speculated tokens (up to 8 rows
-    # a step) keeps the model's row-major weights.
+    # The packed panels are even with row-major at 1-8 rows and faster from 16 (linear.cpp):
+    # an engine that verifies speculated tokens (up to 8 rows a step) keeps the model's
+    # row-major weights, whose few-row tiles were tuned for it.
     # Either way the fp32 weights move into one huge-page buffer in the order a step reads them.
     place_linears([p for layer in inner.layers
                    for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

@@ -125,9 +125,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 #   W [N, K] (N padded with zero rows to a multiple of R = pack_rows, K a multiple of L = lanes)
 #     -> packed [N / R, K / L, R, L]:   packed[g, kb, j, :] = W[g * R + j, kb * L : (kb + 1) * L]
 #
-# AVX-512: R = 8, L = 16: one k step of an 8-row tile is 8 adjacent vectors. AVX2: R = 24,
-# L = 1, K-major panels: one k step of the outer-product tile is 24 adjacent floats (3 vectors).
-# Either way the kernel streams W sequentially.
+# The compiled kernels take K-major panels, L = 1 and R = 32 (AVX-512, 2 vectors) or 24 (AVX2,
+# 3 vectors): one k step of the outer-product tile reads R adjacent floats, so the kernel
+# streams W sequentially.
 
 def packed_layout() -> tuple[int, int] | None:
     """(pack_rows, lanes) of the compiled kernel, or None without it."""
@@ -139,9 +139,9 @@ PACKED_WEIGHTS_ENV = "KVFORGE_PACKED_WEIGHTS"
 
 
 def packing_pays() -> bool:
-    """Whether layers should be packed: by default yes, each build's packed kernel being its
-    faster one (AVX-512: 8-row groups streamed at 1-4 rows; AVX2: K-major panels multiplied in
-    outer-product form, 1.1-1.3x the row-major tiles from 16 rows, even at 1-8; csrc/linear.cpp).
+    """Whether layers should be packed: by default yes, the packed kernel being each build's
+    faster one (K-major panels multiplied in outer-product form: 1.1-1.3x the row-major tiles
+    from 16 rows, even at 1-8; csrc/linear.cpp).
     ``KVFORGE_PACKED_WEIGHTS=1`` / ``0`` forces it either way (the row-major kernel runs on
     every ISA, so the tests can run both paths on any CPU)."""
     ops = cpu_kernels()

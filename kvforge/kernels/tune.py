@@ -202,12 +202,11 @@ def tile_candidates(ops, rows: int, packed: bool) -> list[tuple[int, int]]:
     ((m + n) / (m * n)) first. Few rows: m = rows, every width that fits."""
     regs = int(ops.linear_registers)
     default = tuple(ops.linear_plan(64, 64, rows, packed)[:2])
-    if packed and int(ops.linear_pack_lanes) == 1:
-        # AVX2 panels: the 4-row outer-product tile has the fewest loads per FMA, and fewer
-        # rows only serve a remainder (timed: 2 or 3 rows a tile, 6% slower at 64 rows)
+    if packed:
+        # panels: the widest outer-product tile (4 rows AVX2, 8 AVX-512) has the fewest loads
+        # per FMA, and fewer rows only serve a remainder (AVX2 timed: 2 or 3 rows a tile, 6%
+        # slower at 64 rows)
         found = []
-    elif packed:
-        found = [(m, default[1]) for m in (1, 2, 3, 4) if m <= rows]
     elif rows <= int(ops.linear_few_rows_max):
         found = [(rows, n) for n in range(2, 9) if rows * n + rows + 1 <= regs + 1]
     else:

@@ -146,10 +146,10 @@ def test_argmax_rows_matches_torch(compiled, cols):
 @pytest.mark.parametrize("shape", [(960, 576), (13, 32), (3, 16), (37, 4112)])  # pad, K blocks
 def test_packed_layout_round_trip(compiled, shape):
     """packed[g, kb, j] = W[Rg + j, kb*L:(kb+1)*L], rows padded with zeros to a whole group
-    (AVX-512: R = 8, L = 16; AVX2 panels: R = 24, L = 1)."""
+    (K-major panels, L = 1: R = 32 with AVX-512, 24 with AVX2)."""
     rows, lanes = ops.packed_layout()
     assert (rows, lanes) == (compiled.linear_pack_rows, compiled.linear_pack_lanes)
-    assert (rows, lanes) in ((8, 16), (24, 1))
+    assert (rows, lanes) in ((32, 1), (24, 1))
     w = torch.randn(*shape)
     p = ops.pack_linear_weight(w)
     groups = -(-shape[0] // rows)
@@ -222,7 +222,7 @@ def test_linear_kernels_share_columns_between_threads(compiled, threads, rows):
 def test_linear_packed_rejects_bad_input(compiled):
     p = ops.pack_linear_weight(torch.randn(20, 32))
     with pytest.raises(RuntimeError, match="packed weight must be"):
-        compiled.linear_packed(torch.randn(2, 32), p, 30)            # groups do not match out
+        compiled.linear_packed(torch.randn(2, 32), p, 20 + ops.packed_layout()[0])   # groups
     with pytest.raises(RuntimeError, match="packed weight must be"):
         compiled.linear_packed(torch.randn(2, 48), p, 20)            # K does not match
     with pytest.raises(RuntimeError, match="rows >= 1"):
@@ -251,7 +251,7 @@ def test_pack_linear_layer(compiled, rows, monkeypatch):
     assert layer(x).shape == (2, rows, 40)
     with pytest.raises(ValueError, match="packed"):
         layer.load_weight("weight", w)
-    odd = Linear(36, 8)                       # K = 36: off AVX-512's lanes (panels take it)
+    odd = Linear(36, 8)                       # K = 36: off the vector lanes (panels take it)
     lanes = ops.packed_layout()[1]
     assert pack_linear(odd) == (36 % lanes == 0)
     assert (type(odd.method) is PackedLinearMethod) == (36 % lanes == 0)
@@ -516,7 +516,7 @@ def test_decode_stack_team_on_any_thread_count(compiled, tiny_model_factory, mon
 def test_stack_packs_what_it_can(compiled, tiny_model_factory, monkeypatch):
     """Building the stack packs the fp32 projections whose K fits the packed layout's lanes (the
     Python layers then run packed too) and leaves the others row-major: intermediate 36 keeps
-    down_proj row-major with AVX-512's 16 lanes (AVX2 panels take any K); outputs equal the
+    down_proj row-major for a layout whose lanes it misses (panels take any K); outputs equal the
     Python layers either way. Packing is forced on, as ``KVFORGE_PACKED_WEIGHTS=1`` does."""
     from kvforge.engine.llm import LLM
     from kvforge.layers.linear import PackedLinearMethod, UnquantizedLinearMethod

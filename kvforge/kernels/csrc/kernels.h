@@ -153,12 +153,12 @@ constexpr int64_t kLinearRowsMin = 1;
 constexpr int64_t kLinearRowsMax = 256;
 // Vector lanes of the build (AVX-512: 16, AVX2: 8), rows the few-rows tile serves in one pass
 // over W, and the row group of the packed weight layout (linear.cpp's map).
-// The packed layout P[N / kPackRows][K / kPackLanes][kPackRows][kPackLanes] (linear.cpp's
-// maps): AVX-512 groups of 8 rows in 16-float lane blocks; AVX2 panels of 24 rows, K-major
-// (kPackLanes = 1: P[g][k][j] = W[24 g + j][k]), the outer-product tile's operand.
+// The packed layout P[N / kPackRows][K][kPackRows]: K-major panels of whole vectors (AVX-512:
+// 32 rows, 2 zmm; AVX2: 24 rows, 3 ymm), the outer-product tile's operand (linear.cpp).
+// kPackLanes = 1: the layout's innermost dimension in ops.packed_layout's 4-D view.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kFewRowsMax = 8;
-constexpr int kPackRows = 8, kPackLanes = 16;
+constexpr int kPackRows = 32, kPackLanes = 1;
 #else
 constexpr int kLanes = 8, kFewRowsMax = 4;
 constexpr int kPackRows = 24, kPackLanes = 1;

@@ -24,35 +24,15 @@ namespace kvforge {
 // waiting (7 rows: 19.4 ms for SmolLM2's 120 projections); two tiles ahead keeps memory busy
 // under the FMAs (15.0 ms, as fast as 1 row: verification rows ride along with the weights).
 //
-// Two weight layouts, one tile code (addr(n, k) = w + n * row_stride + k * k_step):
+// Two weight layouts:
 //
-//   row-major W[N][K]            row_stride = K,      k_step = 1   (HF layout: a tied LM head,
-//                                                                   any weight we do not own)
-//   packed    P[N/8][K/L][8][L]  row_stride = L,      k_step = 8   (AVX-512, L = 16 lanes;
-//                                                                   rows padded to 8)
-//
-// (AVX2 builds pack W in K-major panels of 24 rows instead, for an outer-product tile of
-// their own: the panel section at the end.)
-//
-//        group g (rows 8g..8g+7):  | k 0..L-1: r0 r1 .. r7 | k L..2L-1: r0 r1 .. r7 | ...
-//
-// In the packed layout one k step of an 8-row tile loads 8 adjacent vectors, so a thread reads
-// its share of W as one sequential stream; row-major tiles read 8 streams K floats apart.
-// SmolLM2's 120 decode projections at 1 row, as a fraction of a t.sum pass measured around
-// them: packed 0.78-0.80 vs row-major 0.70 when the VM's memory runs at ~45-50 GB/s, 0.91 vs
-// 0.87 at ~30 GB/s. With the packed stream, also prefetching each thread's share of the *next*
-// projection at the end of its share (tried: 32-512 KB) made the decode stack slower, not faster.
+//   row-major W[N][K]        the dot-product tiles here (HF layout: any weight we do not own,
+//                            and the engine's choice when speculation verifies 5-8 rows)
+//   packed    P[N/R][K][R]   K-major panels of R = 24 (AVX2) or 32 (AVX-512) rows, the
+//                            outer-product tile's operand (the panel section at the end)
 namespace {
 
-// Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file (the
-// packed 4 x 8 tile is 5 over with AVX-512: gcc folds x loads into the FMAs, and it still ran
-// fastest). Packed tiles span a whole group and take up to 4 rows at a time: narrower tiles read
-// each group in partial passes, which measured slower (SmolLM2's 120 projections at 8 rows:
-// 2-wide 24.5 ms, 3-wide 23.0, 3 + 3 + 2 rows x 8 wide 20.2, 4 + 4 rows 18.9; row-major 16.3).
-// So for 5-8 rows row-major wins (the decode stack keeps it when speculation verifies 8 rows);
-// at 1 row packed is ~1.07-1.10x faster, at 4 rows even, from 16 rows 1.03-1.12x faster.
-// AVX2's 16 registers spill that packed tile, so AVX2 builds pack W in panels instead and
-// multiply them in outer-product form (the panel section below).
+// Tile widths: MR x vectors + NR x MR accumulators + 1 W vector fit the register file.
 #if defined(__AVX512F__)
 typedef float vreg __attribute__((vector_size(64), aligned(4), may_alias));
 #else
@@ -78,71 +58,23 @@ inline float hsum_reg(vreg v) {
   return s[0] + s[1];
 }
 
-#if defined(__AVX512F__)
-// One row against NR rows of a packed group, in 256-bit halves and with no software prefetch:
-// the packed stream read this way keeps up with memory where 512-bit loads (with or without a
-// prefetch ahead) fall behind. One 138M-float packed weight in huge pages at 1 row, as a
-// fraction of a t.sum pass over the same bytes: 0.95-0.96 this way, 0.77-0.91 with 512-bit
-// loads + 4 KB prefetch, 0.84 without the prefetch (memory at ~55 GB/s; at ~33 GB/s 0.99 /
-// 0.95 / 0.88). NR x 2 accumulators + 2 x halves fit the 32 registers.
-template <int NR>
-void packed_row_tile(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                     int64_t k0, int64_t k1, bool accumulate) {
-  vec8_ acc[NR][2];
-  for (int n = 0; n < NR; ++n) acc[n][0] = acc[n][1] = vec8_{};
-  for (int64_t k = k0; k < k1; k += kLanes) {      // packed: k1 - k0 is whole lane blocks
-    const vec8_ x0 = load8(x + k), x1 = load8(x + k + 8);
-    for (int n = 0; n < NR; ++n) {
-      const float* wk = w + n * kPackLanes + k * kPackRows;
-      vec8_ lo = load8(wk), hi = load8(wk + 8);
-      asm("" : "+v"(lo), "+v"(hi));             // plain loads, not folded into the FMAs
-      acc[n][0] += x0 * lo;
-      acc[n][1] += x1 * hi;
-    }
-  }
-  for (int n = 0; n < NR; ++n) {
-    const vec8_ h = acc[n][0] + acc[n][1];
-    const vec4_ q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
-                    __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    const vec4_ r = q + __builtin_shufflevector(q, q, 2, 3, 0, 1);
-    const float total = r[0] + r[1];
-    y[n] = accumulate ? y[n] + total : total;
-  }
-}
-#endif
-
-// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1] in either layout (see the header);
-// prefetch: the W tile to pull into L2 meanwhile (packed: this tile's rows kPackedAhead floats
-// on along the stream), or nullptr
-template <int MR, int NR, bool Packed>
+// y[0:MR, 0:NR] (+)= x[0:MR, k0:k1] . w[0:NR, k0:k1], W row-major; prefetch: the W tile to
+// pull into L2 meanwhile, or nullptr
+template <int MR, int NR>
 void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t ws,
           float* __restrict y, int64_t ys, int64_t k0, int64_t k1, bool accumulate,
           const float* prefetch) {
-#if defined(__AVX512F__)
-  if constexpr (Packed && MR == 1) {    // decode's one row: see packed_row_tile
-    packed_row_tile<NR>(x, w, y, k0, k1, accumulate);
-    return;
-  }
-#endif
-  // packed (AVX-512 only): kPackLanes == kLanes, one lane block of a row per k step
-  const int64_t row_stride = Packed ? kPackLanes : ws, k_step = Packed ? kPackRows : 1;
   vreg acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = vreg{};
-  const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;       // packed: kv == k1
+  const int64_t kv = k0 + (k1 - k0) / kLanes * kLanes;
   for (int64_t k = k0; k < kv; k += kLanes) {
-    if (prefetch) {
-      if (Packed) {       // this tile's NR adjacent vectors of a k step further on
-        const char* p = reinterpret_cast<const char*>(prefetch + k * kPackRows);
-        for (int64_t b = 0; b < NR * kLanes * 4; b += 64) __builtin_prefetch(p + b, 0, 1);
-      } else {
-        for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
-      }
-    }
+    if (prefetch)
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(prefetch + n * ws + k, 0, 1);
     vreg xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = load_reg(x + m * xs + k);
     for (int n = 0; n < NR; ++n) {
-      vreg wv = load_reg(w + n * row_stride + k * k_step);
+      vreg wv = load_reg(w + n * ws + k);
       asm("" : "+v"(wv));   // one register load feeding MR FMAs (gcc would re-load it per FMA)
       for (int m = 0; m < MR; ++m) acc[m][n] += xv[m] * wv;
     }
@@ -159,25 +91,21 @@ void tile(const float* __restrict x, int64_t xs, const float* __restrict w, int6
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         int64_t, bool, const float*);
 
-template <bool Packed, int MR, int... NRs>
+template <int MR, int... NRs>
 constexpr void fill_row(TileFn* row, std::integer_sequence<int, NRs...>) {
-  ((row[NRs] = &tile<MR, NRs + 1, Packed>), ...);
+  ((row[NRs] = &tile<MR, NRs + 1>), ...);
 }
-template <bool Packed, int... MRs>
+template <int... MRs>
 constexpr void fill_table(TileFn (*fn)[kMaxTile], std::integer_sequence<int, MRs...>) {
-  (fill_row<Packed, MRs + 1>(fn[MRs], std::make_integer_sequence<int, kMaxTile>{}), ...);
+  (fill_row<MRs + 1>(fn[MRs], std::make_integer_sequence<int, kMaxTile>{}), ...);
 }
-template <bool Packed>
 struct TileTable {                        // fn[MR - 1][NR - 1]: edge tiles of any size
   TileFn fn[kMaxTile][kMaxTile];
   constexpr TileTable() : fn{} {
-    fill_table<Packed>(fn, std::make_integer_sequence<int, kMaxTile>{});
+    fill_table(fn, std::make_integer_sequence<int, kMaxTile>{});
   }
 };
-constexpr TileTable<false> kTiles{};
-#if defined(__AVX512F__)
-constexpr TileTable<true> kPackedTiles{};
-#endif
+constexpr TileTable kTiles{};
 
 // columns [n0, n1) of y from a row-major W; n0 is a multiple of the tile width; tiles up to
 // column ahead_end (>= n1: this thread reads on there next) are prefetched. Loop nest (the
@@ -210,58 +138,26 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
   }
 }
 
-#if defined(__AVX512F__)
-// Packed tiles of 2-4 rows prefetch into L2 this far (in floats) ahead of their loads, along
-// the one stream: 4 KB measured best of 0-64 KB (2 threads, fast and slow memory modes alike;
-// the row-major tiles want two whole tiles, ~36 KB, of distance, see above). One row reads
-// without software prefetch (packed_row_tile).
-constexpr int64_t kPackedAhead = 4096 / 4;
-
-// groups [g0, g1) of a packed W (group g: output rows 8g..8g+7, those < out stored); each group
-// in tiles of shape.n of its rows; prefetches run on up to group ahead_end (>= g1)
-void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, int64_t rows,
-                         int64_t in, int64_t out, int64_t g0, int64_t g1, const LinearPlan& shape,
-                         int64_t ahead_end) {
-  const int64_t group_floats = kPackRows * in;
-  for (int64_t k0 = 0; k0 < in; k0 += shape.block_k) {
-    const int64_t k1 = std::min(in, k0 + shape.block_k);
-    for (int64_t g = g0; g < g1; ++g) {
-      const float* group = p + g * group_floats;
-      const int64_t valid = std::min<int64_t>(kPackRows, out - g * kPackRows);
-      for (int64_t j = 0; j < valid; j += shape.tile_n) {
-        const int nr = static_cast<int>(std::min<int64_t>(shape.tile_n, valid - j));
-        for (int64_t m = 0; m < rows; m += shape.tile_m) {
-          const int mr = static_cast<int>(std::min<int64_t>(shape.tile_m, rows - m));
-          // every tile of the first row tile prefetches its own rows' lines, so memory
-          // streams through all of a group's passes (a narrow tile reads part of each k step)
-          const float* ahead = (m == 0 && g + 1 < ahead_end) ? group + j * kPackLanes + kPackedAhead
-                                                             : nullptr;
-          kPackedTiles.fn[mr - 1][nr - 1](x + m * xs, xs, group + j * kPackLanes, in,
-                                          y + m * out + g * kPackRows + j, out, k0, k1, k0 > 0,
-                                          ahead);
-        }
-      }
-    }
-  }
-}
-#else
-// ---- AVX2: the packed weight in panels, multiplied in outer-product form --------------------
+// ---- the packed weight in panels, multiplied in outer-product form -------------------------
 //
-//   panel g = output columns 24g .. 24g+23, K-major:   P[g][k][0..23] = W[24g .. 24g+23][k]
+//   panel g = output columns Rg .. Rg+R-1, K-major:   P[g][k][0..R-1] = W[Rg .. Rg+R-1][k]
 //
-//        k ->
+//        k ->                                          (AVX2: R = 24, 3 ymm; AVX-512: 32, 2 zmm)
 //   x rows m .. m+MR-1:   x[m][k], one float each, broadcast      MR broadcasts per k
-//   panel row k:          | w 0..7 | w 8..15 | w 16..23 |         3 vector loads per k
-//   acc[m][v] += broadcast(x[m][k]) * w[v]          ->  y[m][24g + 8v ..], no horizontal sums
+//   panel row k:          | w 0..7 | w 8..15 | w 16..23 |         R / lanes vector loads per k
+//   acc[m][v] += broadcast(x[m][k]) * w[v]          ->  y[m][Rg + lanes v ..], no horizontal sums
 //
-// 4 rows x 24 columns: 12 accumulators + 3 W vectors + 1 broadcast fill the 16 ymm registers,
-// 7 loads per 12 FMAs. The dot-product 3 x 4 tile also loads 7 per 12, but its x rows come from
-// L2 at 96 B per k step (8 k) and each tile ends in 12 horizontal sums; here a panel block
-// [block_k x 24] stays in L1 for every row tile and x comes from L2 at 16 B per k. Few rows
-// keep several k steps in flight (separate accumulators: 8+ independent FMA chains).
+// AVX2, 4 rows x 24 columns: 12 accumulators + 3 W vectors + 1 broadcast fill the 16 ymm
+// registers, 7 loads per 12 FMAs. The dot-product 3 x 4 tile also loads 7 per 12, but its x
+// rows come from L2 at 96 B per k step (8 k) and each tile ends in 12 horizontal sums; here a
+// panel block [block_k x R] stays in L1 for every row tile and x comes from L2 at 16 B per k.
+// AVX-512, 8 rows x 32 columns: 16 accumulators + 2 + 1 of the 32 zmm, 10 loads per 16 FMAs
+// (SmolLM2's shapes at 64 rows: 325-342 GFLOP/s, the AVX-512 packed 8-row groups this layout
+// replaces and MKL 260-276). Few rows keep several k steps in flight (separate accumulators:
+// 8+ independent FMA chains); 1 row streams W as fast as those groups did.
 constexpr int kPanelVecs = kPackRows / kLanes;
 static_assert(kPanelVecs * kLanes == kPackRows, "a panel is whole vectors wide");
-constexpr int kPanelRowsMax = 4;
+constexpr int kPanelRowsMax = kLanes == 16 ? 8 : 4;     // linear_plan.cpp's kPackedTileM
 
 // prefetch: the rows of a panel block to pull into L2 meanwhile, one k row per k step, or nullptr
 template <int MR>
@@ -269,23 +165,23 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
                 float* __restrict y, int64_t ys, int64_t kn, bool accumulate, int64_t valid,
                 const float* prefetch) {
   constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;      // k steps in flight
-  vec8 acc[U][MR][kPanelVecs];
+  vecn acc[U][MR][kPanelVecs];
   for (int u = 0; u < U; ++u)
     for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] = vec8{};
+      for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] = vecn{};
   const auto step = [&](int u, int64_t k) {
     const float* pk = panel + k * kPackRows;
     if (prefetch) __builtin_prefetch(prefetch + k * kPackRows, 0, 1);
-    vec8 w[kPanelVecs];
+    vecn w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) {
-      w[v] = load8(pk + v * kLanes);
+      w[v] = loadn(pk + v * kLanes);
       asm("" : "+v"(w[v]));           // one load each, not one per row folded into the FMAs
     }
     for (int m = 0; m < MR; ++m) {
-      // one vbroadcastss from memory (vec8{} + x would add: -0.f + 0.f is not -0.f; the
-      // pointer intrinsic _mm256_broadcast_ss made gcc spill the accumulators around it)
-      const float xv = x[m * xs + k];
-      const vec8 b = {xv, xv, xv, xv, xv, xv, xv, xv};
+      // one vbroadcastss from memory: x - 0.f is x for every x, so gcc folds the subtraction
+      // (x + 0.f is not: -0.f + 0.f = 0.f; the pointer intrinsic _mm256_broadcast_ss made gcc
+      // spill the accumulators around it)
+      const vecn b = x[m * xs + k] - vecn{};
       for (int v = 0; v < kPanelVecs; ++v) acc[u][m][v] += b * w[v];
     }
   };
@@ -294,7 +190,7 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
     for (int u = 0; u < U; ++u) step(u, k + u);
   for (; k < kn; ++k) step(0, k);
   for (int m = 0; m < MR; ++m) {
-    vec8 total[kPanelVecs];
+    vecn total[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) {
       total[v] = acc[0][m][v];
       for (int u = 1; u < U; ++u) total[v] += acc[u][m][v];
@@ -302,7 +198,7 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
     float* row = y + m * ys;
     if (valid == kPackRows) {
       for (int v = 0; v < kPanelVecs; ++v)
-        store_vec(row + v * kLanes, accumulate ? load8(row + v * kLanes) + total[v] : total[v]);
+        store_vec(row + v * kLanes, accumulate ? loadn(row + v * kLanes) + total[v] : total[v]);
     } else {                            // the last panel's padding columns are not y's
       float part[kPackRows];
       for (int v = 0; v < kPanelVecs; ++v) store_vec(part + v * kLanes, total[v]);
@@ -313,8 +209,9 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
 
 using PanelFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, bool,
                          int64_t, const float*);
-constexpr PanelFn kPanelTiles[kPanelRowsMax] = {&panel_tile<1>, &panel_tile<2>, &panel_tile<3>,
-                                                &panel_tile<4>};
+constexpr PanelFn kPanelTiles[8] = {&panel_tile<1>, &panel_tile<2>, &panel_tile<3>,
+                                    &panel_tile<4>, &panel_tile<5>, &panel_tile<6>,
+                                    &panel_tile<7>, &panel_tile<8>};
 
 // One tile of rows reads a thread's panels as one stream: prefetched this far (floats) ahead.
 constexpr int64_t kPanelAhead = 4096 / 4;
@@ -346,7 +243,6 @@ void linear_packed_range(const float* x, int64_t xs, const float* p, float* y, i
     }
   }
 }
-#endif
 }  // namespace
 
 // Tasks of whole units (tiles, or packed groups) of `unit_rows` rows, >= ~16K floats of W each,

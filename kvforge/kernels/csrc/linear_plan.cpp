@@ -30,17 +30,17 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kRegisters = 32;
-constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 4, kPackedTileN = 8,
-              kPackedTileN1 = kPackRows;
+// packed: panel tiles of up to 8 rows x 2 vectors (32 columns, the whole panel)
+constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 8, kPackedTileN = 2;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
 #else
 constexpr int kRegisters = 16;
 // packed: panel tiles of up to 4 rows x 3 vectors (24 columns, the whole panel)
-constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 4, kPackedTileN = 3, kPackedTileN1 = 3;
+constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 4, kPackedTileN = 3;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
 #endif
 constexpr int kMaxTileSide = 8;              // linear.cpp's tile table: MR, NR in 1..8
-constexpr int64_t kPanelSplitRowsMax = 256;  // AVX2 panels: K blocks up to here (below)
+constexpr int64_t kPanelSplitRowsMax = 256;  // panels: K blocks up to here (below)
 constexpr int kDefaultPrefetchTiles = 2;     // linear.cpp's header: two tiles of distance
 
 int64_t cache_bytes(int name, int64_t fallback) {
@@ -83,9 +83,9 @@ LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool p
                   plan.tile_n <= kMaxTileSide,
               "tile ", plan.tile_m, " x ", plan.tile_n, " outside 1..", kMaxTileSide);
   if (plan.tile_m == 0 || plan.tile_n == 0) {
-    if (packed) {      // one row alone takes a whole group (AVX-512); AVX2: whole panels
-      plan.tile_m = rows == 1 ? 1 : static_cast<int>(std::min<int64_t>(rows, kPackedTileM));
-      plan.tile_n = rows == 1 ? kPackedTileN1 : kPackedTileN;
+    if (packed) {      // whole panels, up to kPackedTileM rows a tile
+      plan.tile_m = static_cast<int>(std::min<int64_t>(rows, kPackedTileM));
+      plan.tile_n = kPackedTileN;
     } else if (rows <= kFewRowsMax) {
       plan.tile_m = static_cast<int>(rows);
       plan.tile_n = kFewRowsN[rows];
@@ -95,7 +95,6 @@ LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool p
     }
   }
   const CacheSizes caches = detected_cache_sizes();
-#if !defined(__AVX512F__)
   if (packed) {        // panels: every tile is a whole panel wide, up to kPackedTileM rows
     TORCH_CHECK(plan.tile_m <= kPackedTileM, "panel tiles take up to ", kPackedTileM,
                 " rows, got ", plan.tile_m);
@@ -114,15 +113,9 @@ LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool p
     if (plan.block_m <= 0 && rows > kPanelSplitRowsMax)
       plan.block_m = std::max<int64_t>(caches.l2 / 4 / (4 * std::max<int64_t>(in, 1)), 16);
   }
-#endif
   if (plan.block_k <= 0)
     plan.block_k = std::max<int64_t>(256, caches.l2 / 4 / (4 * plan.tile_n) / kLanes * kLanes);
-  if (packed)          // packed passes cover whole lane blocks
-    plan.block_k = std::max<int64_t>(kPackLanes, plan.block_k / kPackLanes * kPackLanes);
   plan.block_k = std::min(plan.block_k, std::max<int64_t>(in, 1));
-#if defined(__AVX512F__)
-  if (packed) plan.block_m = 0;        // the packed groups take all rows at once
-#endif
   if (plan.block_m <= 0) plan.block_m = std::max<int64_t>(rows, 1);
   if (plan.block_m < rows)   // whole row tiles per block, except a last partial one
     plan.block_m = std::max<int64_t>(plan.block_m / plan.tile_m * plan.tile_m, plan.tile_m);
