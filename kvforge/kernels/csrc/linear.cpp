@@ -152,9 +152,9 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
 // rows come from L2 at 96 B per k step (8 k) and each tile ends in 12 horizontal sums; here a
 // panel block [block_k x R] stays in L1 for every row tile and x comes from L2 at 16 B per k.
 // AVX-512, 8 rows x 32 columns: 16 accumulators + 2 + 1 of the 32 zmm, 10 loads per 16 FMAs
-// (SmolLM2's shapes at 64 rows: 325-342 GFLOP/s, the AVX-512 packed 8-row groups this layout
-// replaces and MKL 260-276). Few rows keep several k steps in flight (separate accumulators:
-// 8+ independent FMA chains); 1 row streams W as fast as those groups did.
+// (SmolLM2's shapes at 64 rows: 325-342 GFLOP/s; the row-major tiles and MKL 248-276). Few
+// rows keep several k steps in flight (separate accumulators: 8+ independent FMA chains); one
+// row streams W as fast as an 8-row lane-block layout read in 256-bit halves did.
 constexpr int kPanelVecs = kPackRows / kLanes;
 static_assert(kPanelVecs * kLanes == kPackRows, "a panel is whole vectors wide");
 constexpr int kPanelRowsMax = kLanes == 16 ? 8 : 4;     // linear_plan.cpp's kPackedTileM
