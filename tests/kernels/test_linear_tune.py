@@ -90,6 +90,12 @@ def test_packed_plans_match_the_reference(name):
                 for block_k, block_m in ((0, 0), (lanes, 0), (max(lanes, 8), 3)):
                     y = module.linear_with_plan(x, packed, 21, m, n, block_k, block_m)
                     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+        # a row-major plan's 8-row tile (the plans are keyed by shape only): clamped to the
+        # widest panel tile, same product
+        widest = int(module.linear_plan(k, 21, 64, True)[0])
+        assert module.linear_plan(k, 21, rows, True)[0] <= widest
+        y = module.linear_with_plan(x, packed, 21, 8, 8)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_every_candidate_the_tuner_tries_is_correct(kernel_module):
