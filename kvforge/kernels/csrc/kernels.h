@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <mutex>
 #include <cmath>
@@ -151,18 +152,20 @@ void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float
 // from 1 row up, and F.linear wins on long prefill chunks (benchmarks/linear_kernel.py).
 constexpr int64_t kLinearRowsMin = 1;
 constexpr int64_t kLinearRowsMax = 256;
-// Vector lanes of the build (AVX-512: 16, AVX2: 8), rows the few-rows tile serves in one pass
-// over W, and the row group of the packed weight layout (linear.cpp's map).
-// The packed layout P[N / kPackRows][K][kPackRows]: K-major panels of whole vectors (AVX-512:
-// 32 rows, 2 zmm; AVX2: 24 rows, 3 ymm), the outer-product tile's operand (linear.cpp).
-// kPackLanes = 1: the layout's innermost dimension in ops.packed_layout's 4-D view.
+// Vector lanes of the build (AVX-512: 16, AVX2: 8) and rows the few-rows tile serves in one
+// pass over W. The packed layout P[N / kPackRows][K][kPackRows]: K-major panels of kPanelVecs
+// vectors (AVX-512: 32 rows, 2 zmm; AVX2: 24 rows, 3 ymm), multiplied by outer-product tiles
+// of up to kPanelRowsMax rows of x (linear.cpp); kPackLanes = 1: the layout's innermost
+// dimension in ops.packed_layout's 4-D view.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kFewRowsMax = 8;
-constexpr int kPackRows = 32, kPackLanes = 1;
+constexpr int kPackRows = 32, kPackLanes = 1, kPanelRowsMax = 8;
 #else
 constexpr int kLanes = 8, kFewRowsMax = 4;
-constexpr int kPackRows = 24, kPackLanes = 1;
+constexpr int kPackRows = 24, kPackLanes = 1, kPanelRowsMax = 4;
 #endif
+constexpr int kPanelVecs = kPackRows / kLanes;
+static_assert(kPanelVecs * kLanes == kPackRows, "a panel is whole vectors wide");
 // whether layers should be packed (ops.packing_pays): each build's packed kernel is its faster
 // one from 1 row up (linear.cpp)
 constexpr bool kPackingPays = true;

@@ -155,10 +155,6 @@ void linear_rows_range(const float* x, int64_t xs, const float* w, float* y, int
 // (SmolLM2's shapes at 64 rows: 325-342 GFLOP/s; the row-major tiles and MKL 248-276). Few
 // rows keep several k steps in flight (separate accumulators: 8+ independent FMA chains); one
 // row streams W as fast as an 8-row lane-block layout read in 256-bit halves did.
-constexpr int kPanelVecs = kPackRows / kLanes;
-static_assert(kPanelVecs * kLanes == kPackRows, "a panel is whole vectors wide");
-constexpr int kPanelRowsMax = kLanes == 16 ? 8 : 4;     // linear_plan.cpp's kPackedTileM
-
 // prefetch: the rows of a panel block to pull into L2 meanwhile, one k row per k step, or nullptr
 template <int MR>
 void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict panel,
@@ -209,9 +205,12 @@ void panel_tile(const float* __restrict x, int64_t xs, const float* __restrict p
 
 using PanelFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, bool,
                          int64_t, const float*);
-constexpr PanelFn kPanelTiles[8] = {&panel_tile<1>, &panel_tile<2>, &panel_tile<3>,
-                                    &panel_tile<4>, &panel_tile<5>, &panel_tile<6>,
-                                    &panel_tile<7>, &panel_tile<8>};
+template <int... Ms>
+constexpr std::array<PanelFn, sizeof...(Ms)> panel_table(std::integer_sequence<int, Ms...>) {
+  return {&panel_tile<Ms + 1>...};
+}
+// kPanelTiles[MR - 1]: MR = 1 .. kPanelRowsMax rows of x
+constexpr auto kPanelTiles = panel_table(std::make_integer_sequence<int, kPanelRowsMax>{});
 
 // One tile of rows reads a thread's panels as one stream: prefetched this far (floats) ahead.
 constexpr int64_t kPanelAhead = 4096 / 4;
@@ -348,7 +347,7 @@ at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_feature
   return y;
 }
 // rows `ids` of a packed weight [out, in] as a row-major [len(ids), in] (a tied LM head's
-// embedding lookup): row i is group i / 8, lane block by lane block, at position i % 8
+// embedding lookup): row i is panel i / R, at position i % R of each k row
 at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features) {
   TORCH_CHECK(packed.dim() == 4, "packed weight must be 4-D");
   const int64_t in = packed.size(1) * kPackLanes;

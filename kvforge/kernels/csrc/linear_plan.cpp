@@ -30,13 +30,11 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kRegisters = 32;
-// packed: panel tiles of up to 8 rows x 2 vectors (32 columns, the whole panel)
-constexpr int kTileM = 4, kTileN = 6, kPackedTileM = 8, kPackedTileN = 2;
+constexpr int kTileM = 4, kTileN = 6;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
 #else
 constexpr int kRegisters = 16;
-// packed: panel tiles of up to 4 rows x 3 vectors (24 columns, the whole panel)
-constexpr int kTileM = 3, kTileN = 4, kPackedTileM = 4, kPackedTileN = 3;
+constexpr int kTileM = 3, kTileN = 4;
 constexpr int kFewRowsN[kFewRowsMax + 1] = {0, 8, 6, 4, 2};
 #endif
 constexpr int kMaxTileSide = 8;              // linear.cpp's tile table: MR, NR in 1..8
@@ -83,9 +81,8 @@ LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool p
                   plan.tile_n <= kMaxTileSide,
               "tile ", plan.tile_m, " x ", plan.tile_n, " outside 1..", kMaxTileSide);
   if (plan.tile_m == 0 || plan.tile_n == 0) {
-    if (packed) {      // whole panels, up to kPackedTileM rows a tile
-      plan.tile_m = static_cast<int>(std::min<int64_t>(rows, kPackedTileM));
-      plan.tile_n = kPackedTileN;
+    if (packed) {      // whole panels (tile_n below), up to kPanelRowsMax rows a tile
+      plan.tile_m = static_cast<int>(std::min<int64_t>(rows, kPanelRowsMax));
     } else if (rows <= kFewRowsMax) {
       plan.tile_m = static_cast<int>(rows);
       plan.tile_n = kFewRowsN[rows];
@@ -95,10 +92,10 @@ LinearPlan resolve_linear_plan(LinearPlan plan, int64_t rows, int64_t in, bool p
     }
   }
   const CacheSizes caches = detected_cache_sizes();
-  if (packed) {        // panels: every tile is a whole panel wide, up to kPackedTileM rows
+  if (packed) {        // panels: every tile is a whole panel wide, up to kPanelRowsMax rows
     // (a plan tuned for a row-major weight of the same shape may ask for more: clamped)
-    plan.tile_m = std::min(plan.tile_m, kPackedTileM);
-    plan.tile_n = kPackedTileN;
+    plan.tile_m = std::min(plan.tile_m, kPanelRowsMax);
+    plan.tile_n = kPanelVecs;
     // One row tile: one pass, no K split. Up to kPanelSplitRowsMax rows: a panel block stays
     // in half of L1, in equal blocks (K = 576 in three of 192, not 256 + 256 + 64). More rows:
     // every K block would read and write y again, which no longer fits the caches (2048 rows
