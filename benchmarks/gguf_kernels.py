@@ -1,4 +1,4 @@
-"""GGUF block projections by activation rows: the integer dot kernels vs fp32 tiles + GEMM.
+"""GGUF block projections by activation rows: the integer dot kernels, int8 panels and fp32 tiles + GEMM.
 
     .venv/bin/python benchmarks/gguf_kernels.py [--types Q4_1 Q8_0 Q4_K Q6_K]
         [--shapes 1536x576 576x1536 17920x1536] [--rows 1 4 16 64 128 256 512] [--threads 2]
@@ -6,11 +6,12 @@
 Per block type and weight shape (out x in, in a multiple of the type's block: K-quants skip
 SmolLM2's 576-wide inputs; synthetic valid blocks, kernels/gguf_tiles.py: the
 kernels' speed does not depend on the values), per row count M: the time of
-``GgufWeight.linear`` on the integer kernels (``gemm_min_rows=0``, docs/gguf_native.md) and on
-fp32 tiles + ATen's GEMM (``gemm_min_rows=1``), alternated, best of ``--reps``; GFLOP/s =
-2 M out in / time. Then the crossover the engine would choose for each type on this machine
-(``gguf_tiles.measure_gemm_min_rows``: the smallest row count from which the tiles win by 10% at
-every larger one; 0 = never). ``KVFORGE_ISA=avx2`` with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` measures
+``GgufWeight.linear`` on the integer kernels (``gemm_min_rows=0``, docs/gguf_native.md), on int8
+panels (``int8_panels=True``; types with a panel form) and on fp32 tiles + ATen's GEMM
+(``gemm_min_rows=1``), alternated, best of ``--reps``; GFLOP/s = 2 M out in / time. Then the
+many-row kernel and crossover the engine would choose for each type on this machine
+(``gguf_tiles.measure_gemm_path``: panels or tiles, whichever is faster at 256 rows, from the
+smallest row count at which it wins by 10% at every larger one; 0 = never). ``KVFORGE_ISA=avx2`` with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` measures
 an AVX2 machine's paths on an AVX-512 CPU. Ends with one ``SUMMARY gguf_kernels:`` line.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from benchmarks.common import setup_threads
 from benchmarks.hardware import hardware_line
 from benchmarks.report import format_table
 from kvforge.kernels import cpu_kernels
-from kvforge.kernels.gguf_tiles import (BLOCK_TYPES, best_path_seconds, integer_and_tile_weights,
-                                        measure_gemm_min_rows)
+from kvforge.kernels.gguf_tiles import (BLOCK_TYPES, best_path_seconds, measure_gemm_path,
+                                        path_weights)
 
 # SmolLM2-135M's gate|up and down, Qwen2.5-1.5B's gate|up
 DEFAULT_SHAPES = ("1536x576", "576x1536", "17920x1536")
@@ -46,14 +47,16 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def measure(ops, type_name: str, shape: tuple[int, int], rows: list[int], reps: int
-            ) -> list[tuple[int, float, float]]:
-    """(M, integer GFLOP/s, tiles GFLOP/s) per row count."""
-    integer, tiles = integer_and_tile_weights(ops, type_name, shape)
+            ) -> list[tuple[int, float, float | None, float]]:
+    """(M, integer, panels (None: no panel form), tiles GFLOP/s) per row count."""
+    integer, tiles, panels = path_weights(ops, type_name, shape)
+    weights = (integer, tiles) if panels is None else (integer, tiles, panels)
     result = []
     for m in rows:
-        integer_s, tiles_s = best_path_seconds(integer, tiles, m, reps)
-        flop = 2 * m * shape[0] * shape[1]
-        result.append((m, flop / integer_s / 1e9, flop / tiles_s / 1e9))
+        seconds = best_path_seconds(weights, m, reps)
+        flop = 2 * m * shape[0] * shape[1] / 1e9
+        result.append((m, flop / seconds[0], flop / seconds[2] if panels else None,
+                       flop / seconds[1]))
     return result
 
 
@@ -85,15 +88,18 @@ def main(argv=None) -> int:
         for shape in shapes:
             if shape[1] % block:           # K-quants: whole super-blocks of 256 only
                 continue
-            for m, integer, tiles in measure(ops, type_name, shape, args.rows, args.reps):
+            for m, integer, panels, tiles in measure(ops, type_name, shape, args.rows,
+                                                     args.reps):
                 rows_out.append([type_name, f"{shape[0]}x{shape[1]}", m, f"{integer:.1f}",
-                                 f"{tiles:.1f}", f"{tiles / integer:.2f}"])
-    print(format_table(["type", "out x in", "rows", "integer GFLOP/s", "tiles GFLOP/s",
-                        "tiles / integer"], rows_out))
-    crossovers = {t: measure_gemm_min_rows(ops, t) for t in args.types}
-    print(format_table(["type", "fp32 tiles from (rows; 0 = never)"],
-                       [[t, r] for t, r in crossovers.items()]))
-    print("SUMMARY gguf_kernels: crossover " + ", ".join(f"{t} {r}" for t, r in crossovers.items())
+                                 "-" if panels is None else f"{panels:.1f}", f"{tiles:.1f}",
+                                 f"{max(panels or 0, tiles) / integer:.2f}"])
+    print(format_table(["type", "out x in", "rows", "integer GFLOP/s", "panels GFLOP/s",
+                        "tiles GFLOP/s", "best many-row / integer"], rows_out))
+    paths = {t: measure_gemm_path(ops, t) for t in args.types}
+    print(format_table(["type", "many-row kernel", "from (rows; 0 = never)"],
+                       [[t, kernel, r] for t, (r, kernel) in paths.items()]))
+    print("SUMMARY gguf_kernels: crossover " + ", ".join(f"{t} {kernel} {r}"
+                                                       for t, (r, kernel) in paths.items())
           + f" | {hardware_line()}")
     return 0
 

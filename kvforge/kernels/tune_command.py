@@ -1,6 +1,7 @@
 """CLI: ``kvforge tune [MODEL]``: time the fp32 projection kernels for MODEL's shapes on this
 CPU again (kernels/tune.py) and print the choice per row range; for a GGUF model also the row
-count from which each of its block types takes fp32 tiles (kernels/gguf_tiles.py)."""
+count from which each of its block types takes its many-row kernel, int8 panels or fp32 tiles
+(kernels/gguf_tiles.py)."""
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for line in describe(tunings):
         print(line)
     print(f"saved: {cache_path()}")
-    for type_name, rows in gguf_crossovers(args.model).items():
-        print(f"GGUF {type_name}: " + (f"fp32 tiles + GEMM from {rows} rows" if rows
+    for type_name, (rows, kernel) in gguf_crossovers(args.model).items():
+        print(f"GGUF {type_name}: " + (f"{KERNEL_NAMES[kernel]} from {rows} rows" if rows
                                        else "integer kernels at every row count"))
     return 0
 
 
-def gguf_crossovers(model_path: str | None) -> dict[str, int]:
-    """A GGUF model's block types timed again for their fp32-tile crossover
-    (kernels/gguf_tiles.py); {} for other models."""
+KERNEL_NAMES = {"panels": "int8 panels", "tiles": "fp32 tiles + GEMM"}
+
+
+def gguf_crossovers(model_path: str | None) -> dict[str, tuple[int, str]]:
+    """A GGUF model's block types timed again for their many-row kernel and its crossover
+    (kernels/gguf_tiles.py): {type: (rows, kernel)}; {} for other models."""
     from kvforge.kernels.gguf_tiles import retune
     from kvforge.loader.source import load_model_source
     source = load_model_source(model_path)

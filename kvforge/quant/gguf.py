@@ -4,8 +4,9 @@ Every projection, the LM head and the token embedding keep the file's bytes: a u
 [rows, row_bytes] tensor over ``GGUFReader``'s memory map (``gguf_loader.raw_rows``), never
 dequantized at load. The compiled kernels (``kernels/csrc/gguf_blocks.cpp``,
 docs/gguf_native.md) multiply them directly by 8-bit integer dot products (prefill chunks in
-passes of 64 activation rows; float shards with more rows, and block shards from the measured
-``kernels/gguf_tiles.gemm_min_rows`` on, as fp32 tiles + GEMM); an embedding lookup
+passes of 64 activation rows; float shards with more rows as fp32 tiles + GEMM, and block
+shards from the measured ``kernels/gguf_tiles.gemm_min_rows`` on as int8 panels or fp32 tiles,
+whichever the machine runs faster); an embedding lookup
 dequantizes only the rows it looks up. ``--quantization none`` dequantizes everything to fp32
 at load and is the reference.
 
@@ -32,7 +33,7 @@ from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from kvforge.kernels import cpu_kernels
-from kvforge.kernels.gguf_tiles import shard_gemm_min_rows
+from kvforge.kernels.gguf_tiles import shard_gemm_path
 from kvforge.layers.linear import Linear, LinearMethod
 from kvforge.loader import gguf_loader
 from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_quantization
@@ -139,9 +140,10 @@ def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
     ``GgufWeight`` over their raw bytes, or without the kernels their fp32 rows (gguf-py)."""
     ops = cpu_kernels()
     if ops is not None:
-        rows = shard_gemm_min_rows([b.type_name for b in blocks], [b.raw.shape[0] for b in blocks])
+        rows, panels = shard_gemm_path([b.type_name for b in blocks],
+                                       [b.raw.shape[0] for b in blocks])
         return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features,
-                              gemm_min_rows=rows)
+                              gemm_min_rows=rows, int8_panels=panels)
     return torch.cat([b.dequantize() for b in blocks])
 
 

@@ -63,16 +63,44 @@ def test_env_sets_the_rows_per_type_and_bad_values_are_named(monkeypatch):
 
 def test_a_projection_takes_the_crossover_of_its_largest_block_type(monkeypatch):
     monkeypatch.setenv(gguf_tiles.ENV_VAR, "Q4_K=256,Q6_K=512,Q4_1=48")
+    monkeypatch.delenv(gguf_tiles.KERNEL_ENV_VAR, raising=False)
+    monkeypatch.setenv("KVFORGE_TUNE", "0")
     # a Q4_K_M qkv: q and k Q4_K, v Q6_K
     assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q4_K", "Q6_K"], [1536, 256, 256]) == 256
     assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q6_K"], [256, 1536]) == 512
     # float shards do not vote; all-float projections never take these tiles
     assert gguf_tiles.shard_gemm_min_rows(["F32", "Q4_1"], [4096, 8]) == 48
     assert gguf_tiles.shard_gemm_min_rows(["F16"], [4096]) == 0
-    # what a tensor-parallel worker gets: the same numbers, named
+    # what a tensor-parallel worker gets: the same numbers and kernels, named
+    monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, "Q6_K=tiles")
     assert gguf_tiles.shared_env(["Q6_K", "F32", "Q4_K", "Q4_K"]) == {
-        gguf_tiles.ENV_VAR: "Q4_K=256,Q6_K=512"}
-    assert gguf_tiles.shared_env(["F32"]) == {gguf_tiles.ENV_VAR: "0"}
+        gguf_tiles.ENV_VAR: "Q4_K=256,Q6_K=512",
+        gguf_tiles.KERNEL_ENV_VAR: "Q4_K=panels,Q6_K=tiles"}
+    assert gguf_tiles.shared_env(["F32"]) == {gguf_tiles.ENV_VAR: "0",
+                                              gguf_tiles.KERNEL_ENV_VAR: "tiles"}
+    # the voting type's kernel decides for the whole projection
+    assert gguf_tiles.shard_gemm_path(["Q4_K", "Q4_K", "Q6_K"], [1536, 256, 256]) == (256, True)
+    assert gguf_tiles.shard_gemm_path(["Q4_K", "Q6_K"], [256, 1536]) == (512, False)
+    assert gguf_tiles.shard_gemm_path(["F16"], [4096]) == (0, False)
+
+
+def test_env_sets_the_kernel_per_type_and_bad_values_are_named(monkeypatch):
+    monkeypatch.delenv(gguf_tiles.KERNEL_ENV_VAR, raising=False)
+    monkeypatch.setenv("KVFORGE_TUNE", "0")
+    # not measured: panels wherever a type has a panel form; Q8_0 has none
+    assert gguf_tiles.gemm_kernel("Q4_K") == gguf_tiles.gemm_kernel("Q6_K") == "panels"
+    assert gguf_tiles.gemm_kernel("Q8_0") == "tiles"
+    monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, "tiles")
+    assert gguf_tiles.gemm_kernel("Q4_K") == "tiles"
+    monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, "q6_k=Tiles, panels")
+    assert gguf_tiles.gemm_kernel("Q6_K") == "tiles"
+    assert gguf_tiles.gemm_kernel("Q4_1") == "panels"
+    monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, "Q8_0=panels")
+    assert gguf_tiles.gemm_kernel("Q8_0") == "tiles"            # no panel form: not offered
+    for bad in ("fast", "Q4_K=gemm", "IQ2_XS=tiles"):
+        monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            gguf_tiles.gemm_kernel("Q4_K")
 
 
 @needs_kernels
@@ -80,6 +108,7 @@ def test_measured_choice_is_one_of_the_candidates_and_cached_per_type(compiled, 
                                                                       tmp_path):
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(gguf_tiles.ENV_VAR, raising=False)
+    monkeypatch.delenv(gguf_tiles.KERNEL_ENV_VAR, raising=False)
     monkeypatch.setenv("KVFORGE_TUNE", "1")
     gguf_tiles._measured.cache_clear()
     try:
@@ -90,11 +119,14 @@ def test_measured_choice_is_one_of_the_candidates_and_cached_per_type(compiled, 
                   for p in (tmp_path / "tune").glob("gguf-gemm-rows-*.json")}
         assert set(cached) == {"Q4_1", "Q4_K"}
         for t, path in cached.items():
-            assert json.loads(path.read_text())["gemm_min_rows"] == rows[t]
+            entry = json.loads(path.read_text())
+            assert entry["gemm_min_rows"] == rows[t]
+            assert entry["kernel"] in gguf_tiles.KERNELS
         # a later process reads the files instead of timing again
-        cached["Q4_1"].write_text(json.dumps({"gemm_min_rows": 96}))
+        cached["Q4_1"].write_text(json.dumps({"gemm_min_rows": 96, "kernel": "tiles"}))
         gguf_tiles._measured.cache_clear()
         assert gguf_tiles.gemm_min_rows("Q4_1") == 96
+        assert gguf_tiles.gemm_kernel("Q4_1") == "tiles"
         assert gguf_tiles.gemm_min_rows("Q4_K") == rows["Q4_K"]
     finally:
         gguf_tiles._measured.cache_clear()

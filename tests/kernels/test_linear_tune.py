@@ -289,8 +289,9 @@ def test_tune_command(kernel_module, tiny_model_factory, tmp_path, monkeypatch, 
 
 def test_tune_command_times_a_gguf_files_block_types_again(kernel_module, default_model_path,
                                                            tmp_path, monkeypatch, capsys):
-    """For a GGUF model ``kvforge tune`` also re-times the fp32-tile crossover of each block
-    type the file holds (kernels/gguf_tiles.py), caches it, and prints it."""
+    """For a GGUF model ``kvforge tune`` also re-times the many-row crossover of each block
+    type the file holds and its many-row kernel (kernels/gguf_tiles.py), caches them, and
+    prints them."""
     import json
 
     from kvforge.cli import main
@@ -306,10 +307,13 @@ def test_tune_command_times_a_gguf_files_block_types_again(kernel_module, defaul
     out = capsys.readouterr().out
     printed = dict(re.findall(r"^GGUF (\w+): (.*)$", out, re.M))
     assert sorted(printed) == block_types
-    cached = {json.loads(p.read_text())["type"]: json.loads(p.read_text())["gemm_min_rows"]
+    stored = {json.loads(p.read_text())["type"]: json.loads(p.read_text())
               for p in (tmp_path / "tune").glob("gguf-gemm-rows-*.json")}
-    assert sorted(cached) == block_types
-    for name, rows in cached.items():
+    assert sorted(stored) == block_types
+    names = {"panels": "int8 panels", "tiles": "fp32 tiles + GEMM"}
+    for name, entry in stored.items():
+        rows, kernel = entry["gemm_min_rows"], entry["kernel"]
         assert rows in (0, *gguf_tiles.CANDIDATE_ROWS)
-        assert printed[name] == (f"fp32 tiles + GEMM from {rows} rows" if rows
+        assert kernel in gguf_tiles.KERNELS
+        assert printed[name] == (f"{names[kernel]} from {rows} rows" if rows
                                  else "integer kernels at every row count")

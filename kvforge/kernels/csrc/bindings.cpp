@@ -9,6 +9,7 @@
 #include "elementwise.cpp"
 #include "gguf_blocks.cpp"
 #include "gguf_dot.cpp"
+#include "gguf_gemm.cpp"
 #include "gguf_weight.cpp"
 #include "linear.cpp"
 #include "linear_plan.cpp"

@@ -430,12 +430,15 @@ constexpr int64_t kGgufDotGroupRows = 4;
 // how far ahead of its reads a dot kernel prefetches the weight stream (gguf_dot.cpp)
 constexpr int64_t kGgufPrefetchAhead = 8192;
 
-void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y) {
+// `only`: the shards to multiply (nullptr: all)
+void many_rows(const at::Tensor& x, const Shards& shards, at::Tensor& y,
+               const std::vector<char>* only = nullptr) {
   const int64_t k = x.size(1);
   // tiles of 256 weight rows: MKL's GEMM ran 10-20% slower on 117-row tiles of a K = 8960
   // weight (4 MB) and on 682-row ones at K = 1536 than on 256-row tiles (Qwen2.5-1.5B, 512 rows)
   const int64_t tile = 256;
   for (size_t s = 0; s < shards.data.size(); ++s) {
+    if (only != nullptr && !(*only)[s]) continue;
     const int64_t first = shards.first_row[s], end = shards.first_row[s + 1];
     for (int64_t t0 = first; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);

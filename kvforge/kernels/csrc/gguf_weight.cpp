@@ -20,11 +20,22 @@ namespace kvforge {
 class GgufWeight {
  public:
   // reference_kernels: the portable code-by-code kernels instead of the AVX2 ones (tests)
+  // int8_panels: from gemm_min_rows rows on, the shards with a panel form (gguf_gemm.cpp) take
+  // int8 panels instead of fp32 tiles
   GgufWeight(std::vector<at::Tensor> raws, std::vector<int64_t> types, int64_t in_features,
-             bool reference_kernels, int64_t gemm_min_rows)
+             bool reference_kernels, int64_t gemm_min_rows, bool int8_panels)
       : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features),
         gemm_min_rows_(gemm_min_rows) {
     TORCH_CHECK(gemm_min_rows >= 0, "gemm_min_rows must be >= 0 (0: never), got ", gemm_min_rows);
+    all_on_panels_ = int8_panels;
+    unit_first_.push_back(0);
+    for (size_t s = 0; s < shards_.type.size(); ++s) {
+      on_panels_.push_back(int8_panels && panel_format(shards_.type[s]).group > 0);
+      any_on_panels_ = any_on_panels_ || on_panels_.back();
+      all_on_panels_ = all_on_panels_ && on_panels_.back();
+      unit_first_.push_back(unit_first_.back() +
+                            (shards_.first_row[s + 1] - shards_.first_row[s] + 15) / 16);
+    }
     for (size_t s = 0; s < shards_.type.size(); ++s)
       dots_.push_back(shards_.format[s].quantized
                           ? rows_dot_for(shards_.type[s], reference_kernels)
@@ -39,6 +50,8 @@ class GgufWeight {
   // few us: cheaper than a barrier), then claims output rows (`claims`: team-size zeroed).
   void run(const float* x, int64_t xs, const float* bias, float* y, int64_t ys, int64_t rows,
            const Team& team, ShareClaim* claims) const {
+    if (all_on_panels_ && gemm_min_rows_ > 0 && rows >= gemm_min_rows_)
+      return run_panels(x, xs, bias, y, ys, rows, team, claims);
     thread_local GgufActivations act;
     thread_local std::vector<float> values;
     const ActRow* acts = nullptr;
@@ -93,6 +106,36 @@ class GgufWeight {
     });
   }
 
+  // run() from gemm_min_rows rows on, when every shard has a panel form (a large decode batch,
+  // a verification step of many rows): the team quantizes the rows into one shared buffer (each
+  // thread its share, then a barrier), then claims output columns in units of 2 panels, each
+  // claim unpacking its columns once for all rows (gguf_gemm.cpp). Not re-entrant: one run of
+  // this weight at a time (DecodeStack runs its layers in turn).
+  void run_panels(const float* x, int64_t xs, const float* bias, float* y, int64_t ys,
+                  int64_t rows, const Team& team, ShareClaim* claims) const {
+    if (team.rank() == 0) team_act_.resize(rows, k_);
+    team.barrier();
+    team_act_.quantize_rows(x, xs, Team::split(rows, team.rank(), team.size()),
+                            Team::split(rows, team.rank() + 1, team.size()));
+    team.barrier();
+    // units of 16 columns per shard: unit u of shard s = columns first_row[s] + 16 (u - u_s) ..
+    constexpr int64_t kUnit = 16;
+    const int64_t max_chunk = std::max<int64_t>(1, panel_block_columns(k_) / kUnit);
+    team.for_shares(unit_first_.back(), max_chunk, claims, [&](int64_t u0, int64_t u1, int64_t) {
+      size_t s = 0;
+      while (unit_first_[s + 1] <= u0) ++s;
+      for (int64_t u = u0; u < u1;) {            // the chunk's part in each shard it spans
+        while (unit_first_[s + 1] <= u) ++s;
+        const int64_t u_end = std::min(u1, unit_first_[s + 1]);
+        const int64_t first = shards_.first_row[s];
+        const int64_t n0 = first + kUnit * (u - unit_first_[s]);
+        const int64_t n1 = std::min(shards_.first_row[s + 1], first + kUnit * (u_end - unit_first_[s]));
+        panel_columns(team_act_, rows, shards_, s, n0, n1, bias, y, ys);
+        u = u_end;
+      }
+    });
+  }
+
   at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const {
     check_fp32_cpu(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.size(1) == k_,
@@ -119,8 +162,17 @@ class GgufWeight {
               team, claims.data());
         });
       }
-    } else {
+    } else if (!any_on_panels_ || gemm_min_rows_ == 0 || rows < gemm_min_rows_) {
       many_rows(x, shards_, y);
+      if (b != nullptr) y.add_(*bias);
+    } else {
+      thread_local GemmActivations act;
+      act.quantize(x.data_ptr<float>(), x.stride(0), rows, k_);
+      panels_many_rows(act, rows, shards_, on_panels_, y.data_ptr<float>(), out_features());
+      std::vector<char> rest(on_panels_.size());
+      bool any_rest = false;
+      for (size_t s = 0; s < rest.size(); ++s) any_rest = any_rest || (rest[s] = !on_panels_[s]);
+      if (any_rest) many_rows(x, shards_, y, &rest);
       if (b != nullptr) y.add_(*bias);
     }
     return y;
@@ -162,28 +214,33 @@ class GgufWeight {
   std::vector<at::Tensor> raws_;     // owns the mapped bytes the shards point into
   Shards shards_;
   int64_t k_;
-  int64_t gemm_min_rows_;            // rows from which linear() takes fp32 tiles (0: never)
+  int64_t gemm_min_rows_;            // rows from which linear() takes tiles / panels (0: never)
+  std::vector<char> on_panels_;      // per shard: int8 panels from gemm_min_rows rows on
+  bool any_on_panels_ = false, all_on_panels_ = false;
+  std::vector<int64_t> unit_first_;  // run_panels' 16-column units: prefix sums per shard
+  mutable GemmActivations team_act_; // run_panels' rows, shared by the team
   std::vector<RowsDot> dots_;        // per shard; nullptr: a float row
 };
 
 at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
                        c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K]");
-  return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0).linear(x, bias);
+  return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0, false).linear(x, bias);
 }
 
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
                            c10::optional<at::Tensor> ids) {
-  return GgufWeight({raw}, {type}, k, false, 0).dequantize(ids);
+  return GgufWeight({raw}, {type}, k, false, 0, false).dequantize(ids);
 }
 
 void bind_gguf_weight(pybind11::module& m) {
   namespace py = pybind11;
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<GgufWeight>(m, "GgufWeight", py::module_local())
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool, int64_t>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool, int64_t, bool>(),
            py::arg("raws"), py::arg("types"), py::arg("in_features"),
-           py::arg("reference_kernels") = false, py::arg("gemm_min_rows") = 0)
+           py::arg("reference_kernels") = false, py::arg("gemm_min_rows") = 0,
+           py::arg("int8_panels") = false)
       .def_property_readonly("in_features", &GgufWeight::in_features)
       .def_property_readonly("out_features", &GgufWeight::out_features)
       .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),

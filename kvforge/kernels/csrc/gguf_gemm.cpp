@@ -1,0 +1,539 @@
+// Many activation rows (a prefill chunk, a large batch) times GGUF blocks in int8: each call
+// unpacks a block of weight rows once into K-major int8 panels, then multiplies every
+// activation row by them with maddubs, keeping the products' sums in int16 across k steps
+// (docs/gguf_native.md, "int8 panels").
+//
+// Why: the dot kernels (gguf_dot.cpp) decode every block once per 4 activation rows and pay a
+// madd, scale work and a horizontal layout per 32 weights per row: ~35% of the int8 rate. fp32
+// tiles + MKL's GEMM (gguf_blocks.cpp many_rows) run at the fp32 FMA peak. maddubs multiplies
+// 32 int8 pairs per instruction, 4x the multiplies of an 8-lane FMA; with the codes unpacked
+// once per call and the int16 sums flushed once per 32 weights, the loop is maddubs + add.
+//
+// Panel of 8 weight rows (output columns n0 .. n0 + 7), the whole of K:
+//
+//   codes   u8   [K / 4][8][4]   k step t (k = 4t .. 4t + 3) of columns 0..7: one 32-byte vector
+//   scale   f32  [K / G][8]      each group's scale per column (G = 32; Q6_K: 16)
+//   offset  f32  [K / G][8]      what the group's activation sum multiplies (a min, a zero point)
+//
+//   w[n][k] = scale[k / G][n] * code[k][n] + offset[k / G][n]     code u8: 0..15, 0..31, 0..63
+//
+// Activation rows (GemmActivations), per row:
+//
+//   q     int8 [K]        round(x / step), |q| <= 127
+//   step  f32  [K / 32]   max |x| of the 32 / 127
+//   sum   f32  [K / 16]   step * sum(q) of each 16 (sum32: the same per 32)
+//         f32  [K / 32]
+//
+//   y[m][n] = sum over groups g   scale[g][n] * step[m][g G / 32] * (sum_{k in g} code[k][n] q[m][k])
+//                                 + offset[g][n] * sum[m][g]
+//           = sum_k w[n][k] * step q[m][k]: the dequantized weights times the rounded activations.
+// The offsets take the rounded sums, not exact ones: then a weight's rounding error is
+// |w| * step / 2, not |scale * code| * step / 2 (Q6_K's codes sit 32 above the weights they
+// encode, Q4_K's mins shift them by ~half their range: the exact sums doubled the error).
+//
+// The kernel (panel_tile): R activation rows x P panels (8 columns each). Per k step, a 32-byte
+// load of each panel and a 4-byte broadcast of each row; maddubs(codes, q) -> 16 int16 lanes
+// = column c's pair sums in lanes 2c, 2c + 1, added in int16 for kFlush steps (16 products of a
+// 4-bit code and |q| <= 127 fit: 16 * 15 * 127 = 30480; 5-bit codes 4 steps, 6-bit 2), then
+// madd(., 1) -> 8 int32 column sums; per group one conversion, a multiply by the row's step and
+// two FMAs per row and panel.
+#include "kernels.h"
+
+namespace kvforge {
+namespace {
+
+// The panel form of a block type: its group (scale) size, how many bits its codes have, and
+// the bias that makes its codes unsigned (Q4_0's nibble - 8 is stored as the nibble).
+struct PanelFormat {
+  int group = 0;        // 0: the type has no panel form (Q8_0's 8-bit codes, float rows)
+  int code_bits = 0;
+  int bias = 0;
+};
+PanelFormat panel_format(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 4, 8};
+    case kQ4_1: return {32, 4, 0};
+    case kQ5_0: return {32, 5, 16};
+    case kQ5_1: return {32, 5, 0};
+    case kQ4_K: return {32, 4, 0};
+    case kQ5_K: return {32, 5, 0};
+    case kQ6_K: return {16, 6, 32};
+    default: return {};
+  }
+}
+
+// One weight row (column n of y) in panel form, before the 8-column interleave:
+// codes u8 [K], scale / offset f32 [K / group].
+struct PanelRow {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale, offset;
+  std::vector<int8_t> q;               // the portable path's signed codes
+  std::vector<float> sc16, off32;
+};
+
+void panel_row(int64_t type, const PanelFormat& pf, const uint8_t* row, int64_t k,
+               PanelRow& out) {
+  out.codes.resize(k);
+  out.scale.resize(k / pf.group);
+  out.offset.resize(k / pf.group);
+#if defined(__AVX2__)
+  if (type == kQ4_K) {                      // chunk c of qs: sub-blocks 2c (low), 2c + 1 (high)
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t i = 0; i < k / 256; ++i) {
+      const uint8_t* b = row + i * 144;
+      float sc[16], off[8];
+      k_scales(b, sc, off);
+      for (int sub = 0; sub < 8; ++sub) {
+        out.scale[8 * i + sub] = sc[2 * sub];
+        out.offset[8 * i + sub] = off[sub];
+      }
+      uint8_t* o = out.codes.data() + 256 * i;
+      for (int c = 0; c < 4; ++c) {
+        const __m256i bytes = load32(b + 16 + 32 * c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * c), _mm256_and_si256(bytes, m4));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * c + 32),
+                            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4));
+      }
+    }
+    return;
+  }
+  if (type == kQ6_K) {                      // the 32-groups g of half h as in unpack_q6_k
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < k / 256; ++i) {
+      const uint8_t* b = row + i * 210;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = fp16_at(b + 208);
+      for (int sub = 0; sub < 16; ++sub) {
+        out.scale[16 * i + sub] = d * static_cast<float>(scales[sub]);
+        out.offset[16 * i + sub] = -32.f * out.scale[16 * i + sub];
+      }
+      uint8_t* o = out.codes.data() + 256 * i;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
+        const __m256i hb = load32(b + 128 + 32 * h);
+        const __m256i high[4] = {
+            _mm256_and_si256(hb, m3), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 4), m3),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 6), m3)};
+        const __m256i low[4] = {
+            _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+            _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        for (int g = 0; g < 4; ++g)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 128 * h + 32 * g),
+                              _mm256_or_si256(low[g], _mm256_slli_epi16(high[g], 4)));
+      }
+    }
+    return;
+  }
+#endif
+  // the other types through the reference codes (w = sc16 * q + off32)
+  out.q.resize(k);
+  out.sc16.resize(k / 16 + 1);
+  out.off32.resize(k / 32 + 1);
+  unpack_row(type, row, k, out.q.data(), out.sc16.data(), out.off32.data());
+  for (int64_t i = 0; i < k; ++i) out.codes[i] = static_cast<uint8_t>(out.q[i] + pf.bias);
+  const int per = pf.group / 16;
+  for (int64_t g = 0; g < k / pf.group; ++g) {
+    const float s = out.sc16[g * per];
+    out.scale[g] = s;
+    out.offset[g] = out.off32[g * pf.group / 32] - static_cast<float>(pf.bias) * s;
+  }
+}
+
+// Weight rows [n0, n0 + 8 * panels) of one shard as panels (rows past the shard's end: zero
+// codes, scales and offsets, so their columns come out 0 and are not written).
+struct Panels {
+  std::vector<uint8_t> codes;          // [panels][K / 4][8][4]
+  std::vector<float> scale, offset;    // [panels][K / G][8]
+};
+
+// 8 rows of 32 bytes (row c = column c's codes of 8 k steps) -> 8 vectors, vector t = k step t
+// of the 8 columns (4 bytes each): a transpose of 8 x 8 dwords
+//
+//   in:  r_c = [c:t0 c:t1 .. c:t7]   (4 bytes each)      out: o_t = [0:t 1:t .. 7:t]
+inline void transpose_8x8_dwords(__m256i r[8]) {
+  const __m256i a0 = _mm256_unpacklo_epi32(r[0], r[1]), a1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(r[2], r[3]), a3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i a4 = _mm256_unpacklo_epi32(r[4], r[5]), a5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i a6 = _mm256_unpacklo_epi32(r[6], r[7]), a7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+  const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+  const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+  const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+  // b0 = [0:t0 1:t0 2:t0 3:t0 | 0:t4 ..], b4 = [4:t0 .. 7:t0 | 4:t4 ..]; b1: t1 / t5, b2: t2 / t6,
+  // b3: t3 / t7
+  r[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+  r[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+  r[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+  r[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+  r[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+  r[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+  r[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+  r[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+}
+
+#if defined(__AVX2__)
+// The 32 codes of 32-group j (0..7) of a K-quant super-block at b, in a vector (a column's
+// sub-block: what transpose_8x8_dwords interleaves with 7 other columns')
+inline __m256i q4_k_codes_32(const uint8_t* b, int j) {     // chunk j / 2: low / high nibbles
+  const __m256i bytes = load32(b + 16 + 32 * (j / 2));
+  return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+}
+inline __m256i q6_k_codes_32(const uint8_t* b, int j) {     // half j / 4, group j % 4
+  const int h = j / 4, g = j % 4;
+  const __m256i l = load32(b + 64 * h + 32 * (g % 2));
+  const __m256i low = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
+  const __m256i high = _mm256_and_si256(
+      _mm256_srl_epi16(load32(b + 128 + 32 * h), _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+  return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
+// Q4_K / Q6_K panels straight from the blocks: per super-block of each panel, each column's
+// scales decoded in vector lanes, and each 32-group's codes of the 8 columns loaded, interleaved
+// (transpose_8x8_dwords) and stored; no per-column scratch (the per-column path through
+// panel_row took ~23% of a batch-32 decode step of Qwen2.5-1.5B)
+template <int64_t Type>
+void pack_k_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, int64_t k,
+                   Panels& out) {
+  constexpr int64_t kBytes = Type == kQ4_K ? 144 : 210;
+  constexpr int kGroups = Type == kQ4_K ? 8 : 16;           // scale groups per super-block
+  const int64_t groups = k / 256 * kGroups, end = shards.first_row[s + 1];
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* rows[8];
+    for (int c = 0; c < 8; ++c) {
+      const int64_t n = n0 + 8 * p + c;
+      rows[c] = n < end ? shards.row(s, n) : nullptr;
+    }
+    float* scale = out.scale.data() + p * groups * 8;
+    float* offset = out.offset.data() + p * groups * 8;
+    uint8_t* dst = out.codes.data() + p * k * 8;
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      // each column's scales and offsets of this super-block (8 or 16 groups: vectors h of 8),
+      // then the 8 columns interleaved like the codes: [group][column]
+      constexpr int kHalves = kGroups / 8;
+      __m256i sc[kHalves][8], off[kHalves][8];
+      for (int c = 0; c < 8; ++c) {
+        if (rows[c] == nullptr) {
+          for (int h = 0; h < kHalves; ++h) sc[h][c] = off[h][c] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* b = rows[c] + kBytes * sb;
+        if constexpr (Type == kQ4_K) {
+          const __m128i sm8 = k_scales_mins(b + 4);
+          sc[0][c] = _mm256_castps_si256(_mm256_mul_ps(
+              _mm256_set1_ps(fp16_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8))));
+          off[0][c] = _mm256_castps_si256(_mm256_mul_ps(
+              _mm256_set1_ps(-fp16_at(b + 2)),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)))));
+        } else {
+          const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+          const __m256 d = _mm256_set1_ps(fp16_at(b + 208)), zero = _mm256_set1_ps(-32.f);
+          for (int h = 0; h < 2; ++h) {
+            const __m256 v = _mm256_mul_ps(
+                d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc8, 8) : sc8)));
+            sc[h][c] = _mm256_castps_si256(v);
+            off[h][c] = _mm256_castps_si256(_mm256_mul_ps(zero, v));
+          }
+        }
+      }
+      for (int h = 0; h < kHalves; ++h) {
+        transpose_8x8_dwords(sc[h]);
+        transpose_8x8_dwords(off[h]);
+        for (int g = 0; g < 8; ++g) {
+          const int64_t at = (sb * kGroups + 8 * h + g) * 8;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale + at), sc[h][g]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(offset + at), off[h][g]);
+        }
+      }
+      for (int j = 0; j < 8; ++j) {                          // 32-group j of the 8 columns
+        __m256i r[8];
+        for (int c = 0; c < 8; ++c)
+          r[c] = rows[c] == nullptr ? _mm256_setzero_si256()
+                 : Type == kQ4_K    ? q4_k_codes_32(rows[c] + kBytes * sb, j)
+                                    : q6_k_codes_32(rows[c] + kBytes * sb, j);
+        transpose_8x8_dwords(r);
+        uint8_t* at = dst + (sb * 256 + 32 * j) / 4 * 32;
+        for (int t = 0; t < 8; ++t)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 32 * t), r[t]);
+      }
+    }
+  }
+}
+#endif
+
+void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t n0,
+                 int64_t panels, int64_t k, Panels& out) {
+  const int64_t groups = k / pf.group, end = shards.first_row[s + 1];
+  out.codes.resize(panels * k * 8);
+  out.scale.resize(panels * groups * 8);
+  out.offset.resize(panels * groups * 8);
+#if defined(__AVX2__)
+  if (shards.type[s] == kQ4_K) return pack_k_panels<kQ4_K>(shards, s, n0, panels, k, out);
+  if (shards.type[s] == kQ6_K) return pack_k_panels<kQ6_K>(shards, s, n0, panels, k, out);
+#endif
+  thread_local PanelRow rows[8];
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* col_codes[8];
+    for (int c = 0; c < 8; ++c) {
+      const int64_t n = n0 + 8 * p + c;
+      float* sc = out.scale.data() + p * groups * 8 + c;
+      float* off = out.offset.data() + p * groups * 8 + c;
+      if (n < end) {
+        panel_row(shards.type[s], pf, shards.row(s, n), k, rows[c]);
+        for (int64_t g = 0; g < groups; ++g) {
+          sc[8 * g] = rows[c].scale[g];
+          off[8 * g] = rows[c].offset[g];
+        }
+      } else {
+        rows[c].codes.assign(k, 0);
+        for (int64_t g = 0; g < groups; ++g) sc[8 * g] = off[8 * g] = 0.f;
+      }
+      col_codes[c] = rows[c].codes.data();
+    }
+    uint8_t* dst = out.codes.data() + p * k * 8;
+#if defined(__AVX2__)
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {       // 8 k steps of the 8 columns at a time
+      __m256i r[8];
+      for (int c = 0; c < 8; ++c) r[c] = load32(col_codes[c] + k0);
+      transpose_8x8_dwords(r);
+      for (int t = 0; t < 8; ++t)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k0 / 4 + t) * 32), r[t]);
+    }
+#else
+    for (int64_t t = 0; t < k / 4; ++t)
+      for (int c = 0; c < 8; ++c)
+        for (int j = 0; j < 4; ++j) dst[t * 32 + 4 * c + j] = col_codes[c][4 * t + j];
+#endif
+  }
+}
+
+// The activation rows of one call, quantized once (shared by the threads).
+struct GemmActivations {
+  int64_t k = 0;
+  std::vector<int8_t> q;               // [rows][K]
+  std::vector<float> step, sum32;      // [rows][K / 32]
+  std::vector<float> sum16;            // [rows][K / 16]
+
+  void resize(int64_t rows, int64_t width) {
+    k = width;
+    q.resize(rows * k);
+    step.resize(rows * (k / 32));
+    sum32.resize(rows * (k / 32));
+    sum16.resize(rows * (k / 16));
+  }
+  // rows [r0, r1) of x (after resize)
+  void quantize_rows(const float* x, int64_t xs, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < k / 32; ++b) quantize_32(x + r * xs + 32 * b, r, b);
+  }
+  void quantize(const float* x, int64_t xs, int64_t rows, int64_t width) {
+    resize(rows, width);
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { quantize_rows(x, xs, r0, r1); });
+  }
+
+ private:
+  void quantize_32(const float* v, int64_t r, int64_t b) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+    int8_t* out = q.data() + r * k + 32 * b;
+    int lo = 0, hi = 0;
+    // nearbyint: round to nearest, ties to even (the default rounding mode), as cvtps does
+    for (int j = 0; j < 32; ++j) {
+      const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+      out[j] = static_cast<int8_t>(c);
+      (j < 16 ? lo : hi) += c;
+    }
+    step[r * (k / 32) + b] = d;
+    sum16[r * (k / 16) + 2 * b] = d * static_cast<float>(lo);
+    sum16[r * (k / 16) + 2 * b + 1] = d * static_cast<float>(hi);
+    sum32[r * (k / 32) + b] = d * static_cast<float>(lo + hi);
+  }
+};
+
+#if defined(__AVX2__)
+inline __m256i broadcast_4_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// out[r][p * 8 + c] = activation row r . panel p's column c (R rows from xq, rows xs apart).
+// G: group size; Flush: k steps summed in int16 before madd (see the top of the file).
+template <int R, int P, int G, int Flush>
+void panel_tile(const int8_t* xq, int64_t xs, const float* step, const float* sum,
+                int64_t sum_stride, const uint8_t* codes, const float* scale,
+                const float* offset, int64_t k, float* out, int64_t out_stride) {
+  constexpr int kSteps = G / 4;                 // k steps per group
+  static_assert(kSteps % Flush == 0, "a group is whole flushes");
+  const int64_t panel_bytes = k * 8, panel_floats = k / G * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / G; ++g) {
+    __m256i group_sum[R][P];
+    for (int f = 0; f < kSteps / Flush; ++f) {
+      __m256i pairs[R][P];
+      for (int t = 0; t < Flush; ++t) {
+        const int64_t step_index = g * kSteps + f * Flush + t;
+        __m256i w[P];
+        for (int p = 0; p < P; ++p)
+          w[p] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(codes + p * panel_bytes + 32 * step_index));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x4 = broadcast_4_bytes(xq + r * xs + 4 * step_index);
+          for (int p = 0; p < P; ++p) {
+            const __m256i prod = _mm256_maddubs_epi16(w[p], x4);
+            pairs[r][p] = t == 0 ? prod : _mm256_add_epi16(pairs[r][p], prod);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) {
+          const __m256i sums = _mm256_madd_epi16(pairs[r][p], ones);
+          group_sum[r][p] = f == 0 ? sums : _mm256_add_epi32(group_sum[r][p], sums);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 row_step = _mm256_set1_ps(step[r * (k / 32) + g * G / 32]);
+      const __m256 row_sum = _mm256_set1_ps(sum[r * sum_stride + g]);
+      for (int p = 0; p < P; ++p) {
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(group_sum[r][p]), row_step);
+        acc[r][p] = _mm256_fmadd_ps(dot, _mm256_loadu_ps(scale + p * panel_floats + 8 * g),
+                                    acc[r][p]);
+        acc[r][p] = _mm256_fmadd_ps(row_sum, _mm256_loadu_ps(offset + p * panel_floats + 8 * g),
+                                    acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + r * out_stride + 8 * p, acc[r][p]);
+}
+#endif
+
+#if defined(__AVX2__)
+// panel_tile with R = rows (1..Rmax) rows
+template <int Rmax, int P, int G, int Flush, class... Args>
+void panel_tile_rows(int64_t rows, Args... args) {
+  if (rows == Rmax) return panel_tile<Rmax, P, G, Flush>(args...);
+  if constexpr (Rmax > 1) panel_tile_rows<Rmax - 1, P, G, Flush>(rows, args...);
+}
+#endif
+
+// out [rows][8 * panels] (row stride out_stride) = activation rows [m0, m0 + rows) . panels,
+// in tiles of R rows x P panels
+template <int G, int Flush, int R, int P>
+void panels_times_rows(const GemmActivations& act, int64_t m0, int64_t rows, const Panels& w,
+                       int64_t panels, int64_t k, float* out, int64_t out_stride) {
+  const int64_t groups = k / G;
+  const int64_t sum_stride = G == 16 ? k / 16 : k / 32;
+  const float* sums = G == 16 ? act.sum16.data() : act.sum32.data();
+#if defined(__AVX2__)
+  for (int64_t r0 = m0; r0 < m0 + rows; r0 += R) {
+    const int64_t rn = std::min<int64_t>(R, m0 + rows - r0);
+    for (int64_t p0 = 0; p0 < panels; p0 += P) {
+      const int8_t* xq = act.q.data() + r0 * k;
+      const float* st = act.step.data() + r0 * (k / 32);
+      const float* sm = sums + r0 * sum_stride;
+      const uint8_t* c = w.codes.data() + p0 * k * 8;
+      const float* sc = w.scale.data() + p0 * groups * 8;
+      const float* of = w.offset.data() + p0 * groups * 8;
+      float* o = out + (r0 - m0) * out_stride + 8 * p0;
+      if (panels - p0 >= P)
+        panel_tile_rows<R, P, G, Flush>(rn, xq, k, st, sm, sum_stride, c, sc, of, k, o, out_stride);
+      else        // the last panels, one at a time
+        for (int64_t p = p0; p < panels; ++p)
+          panel_tile_rows<R, 1, G, Flush>(rn, xq, k, st, sm, sum_stride, c + (p - p0) * k * 8,
+                                          sc + (p - p0) * groups * 8, of + (p - p0) * groups * 8,
+                                          k, o + 8 * (p - p0), out_stride);
+    }
+  }
+#else
+  // portable: the same sums in the same order, scalar
+  for (int64_t m = m0; m < m0 + rows; ++m)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int c = 0; c < 8; ++c) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t dot = 0;
+          for (int64_t kk = g * G; kk < (g + 1) * G; ++kk)
+            dot += int32_t{w.codes[p * k * 8 + (kk / 4) * 32 + 4 * c + kk % 4]} * act.q[m * k + kk];
+          const float d = static_cast<float>(dot) * act.step[m * (k / 32) + g * G / 32];
+          acc = std::fma(d, w.scale[(p * groups + g) * 8 + c], acc);
+          acc = std::fma(sums[m * sum_stride + g], w.offset[(p * groups + g) * 8 + c], acc);
+        }
+        out[(m - m0) * out_stride + 8 * p + c] = acc;
+      }
+#endif
+}
+
+void panels_times_rows(const PanelFormat& pf, const GemmActivations& act, int64_t m0,
+                       int64_t rows, const Panels& w, int64_t panels, int64_t k, float* out,
+                       int64_t out_stride) {
+  // tiles timed on Qwen2.5-1.5B's shapes at 32 and 512 rows (AVX2, Xeon; GFLOP/s at 512):
+  // 4-bit 4 x 2 (355-375; 3 x 2 277-304, 5 x 2 310, 2 x 4 300-324, 4 x 3 279-297, 6 x 2
+  // 274-283: 16 ymm hold 8 int16 sums, 2 panels' codes and a broadcast); the codes that flush
+  // every 4 or 2 steps also hold int32 group sums: 3 x 2 (Q6_K 288-299; 4 x 2 276-283, 2 x 2
+  // 280-306, 4 x 1 291-293, 2 x 3 241-267)
+  if (pf.group == 16)
+    return panels_times_rows<16, 2, 3, 2>(act, m0, rows, w, panels, k, out, out_stride);
+  if (pf.code_bits == 5)
+    return panels_times_rows<32, 4, 3, 2>(act, m0, rows, w, panels, k, out, out_stride);
+  return panels_times_rows<32, 8, 4, 2>(act, m0, rows, w, panels, k, out, out_stride);
+}
+
+// Output columns per unpacked block: its codes (cols x K bytes) held in half of L2 while every
+// activation row passes them, 16..128.
+int64_t panel_block_columns(int64_t k) {
+  const int64_t l2 = detected_cache_sizes().l2;
+  return std::clamp<int64_t>(l2 / 2 / k / 16 * 16, 16, 128);
+}
+
+// Columns [n0, n1) of y (row stride ys) = activation rows . weight rows [n0, n1) of shard s
+// (+ bias[n], if given): the columns unpacked to panels once (a per-thread buffer), then every
+// row multiplied, in passes of 64 rows whose outputs stay in cache.
+void panel_columns(const GemmActivations& act, int64_t rows, const Shards& shards, size_t s,
+                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t ys) {
+  thread_local Panels w;
+  thread_local std::vector<float> tile;
+  const int64_t k = act.k;
+  const PanelFormat pf = panel_format(shards.type[s]);
+  const int64_t panels = (n1 - n0 + 7) / 8;
+  pack_panels(shards, s, pf, n0, panels, k, w);
+  constexpr int64_t kPassRows = 64;
+  tile.resize(kPassRows * panels * 8);
+  for (int64_t m0 = 0; m0 < rows; m0 += kPassRows) {
+    const int64_t pass = std::min(kPassRows, rows - m0);
+    panels_times_rows(pf, act, m0, pass, w, panels, k, tile.data(), panels * 8);
+    for (int64_t m = 0; m < pass; ++m) {
+      const float* t = tile.data() + m * panels * 8;
+      float* out = y + (m0 + m) * ys;
+      if (bias == nullptr)
+        std::memcpy(out + n0, t, (n1 - n0) * sizeof(float));
+      else
+        for (int64_t n = n0; n < n1; ++n) out[n] = t[n - n0] + bias[n];
+    }
+  }
+}
+
+// y[:, the columns of the shards whose `use` is set] = x @ W_s^T over int8 panels (no bias:
+// the caller adds it), from Python (ATen's thread pool); the rows were quantized into `act`.
+void panels_many_rows(const GemmActivations& act, int64_t rows, const Shards& shards,
+                      const std::vector<char>& use, float* y, int64_t ys) {
+  const int64_t block = panel_block_columns(act.k);
+  struct Item { size_t shard; int64_t n0, n1; };
+  std::vector<Item> items;
+  for (size_t s = 0; s < shards.data.size(); ++s)
+    if (use[s])
+      for (int64_t n0 = shards.first_row[s]; n0 < shards.first_row[s + 1]; n0 += block)
+        items.push_back({s, n0, std::min(shards.first_row[s + 1], n0 + block)});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      panel_columns(act, rows, shards, items[i].shard, items[i].n0, items[i].n1, nullptr, y, ys);
+  });
+}
+
+}  // namespace
+}  // namespace kvforge
