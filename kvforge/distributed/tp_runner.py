@@ -68,8 +68,9 @@ def shared_memory_all_reduce(config: EngineConfig, backend: str) -> bool:
 
 def _shared_choices(quantization: str, source: ModelSource) -> dict[str, str]:
     """What every rank must choose alike, chosen once here and handed to the workers as
-    environment: the rows from which the model's GGUF block types multiply as fp32 tiles
-    (measured per machine and type, kernels/gguf_tiles.py; two ranks measuring at once could
+    environment: the rows from which the model's GGUF block types leave the dot kernels and
+    for which kernel, int8 panels or fp32 tiles (measured per machine and type,
+    kernels/gguf_tiles.py; two ranks measuring at once could
     disagree, and a rank on the other path would round its partial sums differently from run
     to run)."""
     if quantization != "gguf":

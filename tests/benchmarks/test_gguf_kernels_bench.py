@@ -1,5 +1,5 @@
 """benchmarks/gguf_kernels.py: a short run prints a row per (type, shape, rows) it can take, the
-crossover per type and one SUMMARY line; bad arguments are clear errors (no timed assertions)."""
+many-row kernel and crossover per type and one SUMMARY line; bad arguments are clear errors (no timed assertions)."""
 from __future__ import annotations
 
 import re
@@ -22,16 +22,19 @@ def test_short_run_prints_rows_crossovers_and_summary(capsys):
     assert gguf_kernels.main(["--types", "Q4_1", "Q4_K", "--shapes", "32x576", "32x512",
                               "--rows", "1", "3", "--reps", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^(Q4_1|Q4_K) \|\s+(\d+x\d+) \|\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \|",
-                      out, re.M)
+    # type | shape | rows | integer | panels | tiles | best many-row / integer
+    rows = re.findall(r"^(Q4_1|Q4_K) \|\s+(\d+x\d+) \|\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \|"
+                      r"\s+([\d.]+) \|", out, re.M)
     # Q4_K takes only the 512-wide input (whole super-blocks of 256)
     assert sorted({(t, s) for t, s, *_ in rows}) == [("Q4_1", "32x512"), ("Q4_1", "32x576"),
                                                      ("Q4_K", "32x512")]
     assert len(rows) == 6 and all(float(g) > 0 for *_, g in rows)
-    summary = re.search(r"^SUMMARY gguf_kernels: crossover Q4_1 (\d+), Q4_K (\d+) \| hardware",
-                        out, re.M)
+    summary = re.search(r"^SUMMARY gguf_kernels: crossover Q4_1 (\w+) (\d+), Q4_K (\w+) (\d+) "
+                        r"\| hardware", out, re.M)
     assert summary is not None
-    from kvforge.kernels.gguf_tiles import CANDIDATE_ROWS
-    assert {int(v) for v in summary.groups()} <= {0, *CANDIDATE_ROWS}
+    from kvforge.kernels.gguf_tiles import CANDIDATE_ROWS, KERNELS
+    kernels, crossovers = summary.groups()[0::2], summary.groups()[1::2]
+    assert set(kernels) <= set(KERNELS)
+    assert {int(v) for v in crossovers} <= {0, *CANDIDATE_ROWS}
     with pytest.raises(SystemExit):
         gguf_kernels.main(["--types", "IQ2_XS"])

@@ -95,8 +95,8 @@ def test_columns_off_the_blocks_fall_back_to_fp32_rows():
 
 @needs_kernels
 def test_ranks_get_the_drivers_tile_crossover(kquant_gguf, monkeypatch):
-    """The rows from which GGUF blocks multiply as fp32 tiles are chosen once, by rank 0, and
-    handed to every worker; a float model hands nothing."""
+    """The rows from which GGUF blocks leave the dot kernels, and for which many-row kernel, are
+    chosen once, by rank 0, and handed to every worker; a float model hands nothing."""
     from kvforge.config import EngineConfig
     from kvforge.distributed.tp_model import tensor_parallel_quantization
     from kvforge.distributed.tp_runner import _shared_choices
@@ -110,14 +110,22 @@ def test_ranks_get_the_drivers_tile_crossover(kquant_gguf, monkeypatch):
     from kvforge.kernels.gguf_tiles import BLOCK_TYPES
     types = sorted({t.tensor_type.name for t in source.gguf_reader().tensors} & set(BLOCK_TYPES))
     assert "Q4_K" in types, "the fixture holds K-quant blocks"
+    monkeypatch.setenv("KVFORGE_TUNE", "0")
+    monkeypatch.delenv("KVFORGE_GGUF_GEMM_KERNEL", raising=False)
+    # not measured: int8 panels for every type with a panel form, fp32 tiles for Q8_0
+    kernels = ",".join(f"{t}={'tiles' if t == 'Q8_0' else 'panels'}" for t in types)
     monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "96")
     config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2)
-    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=96" for t in types)}
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=96" for t in types),
+                               "KVFORGE_GGUF_GEMM_KERNEL": kernels}
     monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "Q6_K=48,96")
-    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(
-        f"{t}={48 if t == 'Q6_K' else 96}" for t in types)}
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_KERNEL", "Q4_K=tiles")
+    assert choices(config) == {
+        "KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}={48 if t == 'Q6_K' else 96}" for t in types),
+        "KVFORGE_GGUF_GEMM_KERNEL": kernels.replace("Q4_K=panels", "Q4_K=tiles")}
     monkeypatch.delenv("KVFORGE_GGUF_GEMM_ROWS")
-    monkeypatch.setenv("KVFORGE_TUNE", "0")
-    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=0" for t in types)}
+    monkeypatch.delenv("KVFORGE_GGUF_GEMM_KERNEL")
+    assert choices(config) == {"KVFORGE_GGUF_GEMM_ROWS": ",".join(f"{t}=0" for t in types),
+                               "KVFORGE_GGUF_GEMM_KERNEL": kernels}
     float_config = EngineConfig(model=kquant_gguf, tensor_parallel_size=2, quantization="none")
     assert choices(float_config) == {}

@@ -76,58 +76,8 @@ void panel_row(int64_t type, const PanelFormat& pf, const uint8_t* row, int64_t 
   out.codes.resize(k);
   out.scale.resize(k / pf.group);
   out.offset.resize(k / pf.group);
-#if defined(__AVX2__)
-  if (type == kQ4_K) {                      // chunk c of qs: sub-blocks 2c (low), 2c + 1 (high)
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (int64_t i = 0; i < k / 256; ++i) {
-      const uint8_t* b = row + i * 144;
-      float sc[16], off[8];
-      k_scales(b, sc, off);
-      for (int sub = 0; sub < 8; ++sub) {
-        out.scale[8 * i + sub] = sc[2 * sub];
-        out.offset[8 * i + sub] = off[sub];
-      }
-      uint8_t* o = out.codes.data() + 256 * i;
-      for (int c = 0; c < 4; ++c) {
-        const __m256i bytes = load32(b + 16 + 32 * c);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * c), _mm256_and_si256(bytes, m4));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64 * c + 32),
-                            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4));
-      }
-    }
-    return;
-  }
-  if (type == kQ6_K) {                      // the 32-groups g of half h as in unpack_q6_k
-    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    for (int64_t i = 0; i < k / 256; ++i) {
-      const uint8_t* b = row + i * 210;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = fp16_at(b + 208);
-      for (int sub = 0; sub < 16; ++sub) {
-        out.scale[16 * i + sub] = d * static_cast<float>(scales[sub]);
-        out.offset[16 * i + sub] = -32.f * out.scale[16 * i + sub];
-      }
-      uint8_t* o = out.codes.data() + 256 * i;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
-        const __m256i hb = load32(b + 128 + 32 * h);
-        const __m256i high[4] = {
-            _mm256_and_si256(hb, m3), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3),
-            _mm256_and_si256(_mm256_srli_epi16(hb, 4), m3),
-            _mm256_and_si256(_mm256_srli_epi16(hb, 6), m3)};
-        const __m256i low[4] = {
-            _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-            _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-            _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        for (int g = 0; g < 4; ++g)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 128 * h + 32 * g),
-                              _mm256_or_si256(low[g], _mm256_slli_epi16(high[g], 4)));
-      }
-    }
-    return;
-  }
-#endif
-  // the other types through the reference codes (w = sc16 * q + off32)
+  // through the reference codes (w = sc16 * q + off32); AVX2 builds pack Q4_K / Q6_K and the
+  // 32-weight types straight from the blocks instead (pack_k_panels, pack_legacy_panels)
   out.q.resize(k);
   out.sc16.resize(k / 16 + 1);
   out.off32.resize(k / 32 + 1);
@@ -262,6 +212,46 @@ void pack_k_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, i
 }
 #endif
 
+#if defined(__AVX2__)
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 panels straight from the blocks: each 32-block's codes of the 8
+// columns decoded as the dot kernels decode them (LegacyKernel::codes_at: unsigned codes, the
+// signed types' zero point an offset), interleaved and stored; the block's scale and offset
+// per column
+template <class Legacy, int64_t Bytes>
+void pack_legacy_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, int64_t k,
+                        Panels& out) {
+  const int64_t blocks = k / 32, end = shards.first_row[s + 1];
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* rows[8];
+    for (int c = 0; c < 8; ++c) {
+      const int64_t n = n0 + 8 * p + c;
+      rows[c] = n < end ? shards.row(s, n) : nullptr;
+    }
+    float* scale = out.scale.data() + p * blocks * 8;
+    float* offset = out.offset.data() + p * blocks * 8;
+    uint8_t* dst = out.codes.data() + p * k * 8;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i r[8];
+      for (int c = 0; c < 8; ++c) {
+        if (rows[c] == nullptr) {
+          r[c] = _mm256_setzero_si256();
+          scale[8 * b + c] = offset[8 * b + c] = 0.f;
+          continue;
+        }
+        const uint8_t* blk = rows[c] + Bytes * b;
+        r[c] = Legacy::codes_at(blk);
+        const float d = fp16_at(blk);
+        scale[8 * b + c] = d;
+        offset[8 * b + c] = Legacy::offset_at(blk, d);
+      }
+      transpose_8x8_dwords(r);
+      for (int t = 0; t < 8; ++t)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (8 * b + t) * 32), r[t]);
+    }
+  }
+}
+#endif
+
 void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t n0,
                  int64_t panels, int64_t k, Panels& out) {
   const int64_t groups = k / pf.group, end = shards.first_row[s + 1];
@@ -271,6 +261,13 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
 #if defined(__AVX2__)
   if (shards.type[s] == kQ4_K) return pack_k_panels<kQ4_K>(shards, s, n0, panels, k, out);
   if (shards.type[s] == kQ6_K) return pack_k_panels<kQ6_K>(shards, s, n0, panels, k, out);
+  switch (shards.type[s]) {
+    case kQ4_0: return pack_legacy_panels<LegacyKernel<18, false, false>, 18>(shards, s, n0, panels, k, out);
+    case kQ4_1: return pack_legacy_panels<LegacyKernel<20, true, false>, 20>(shards, s, n0, panels, k, out);
+    case kQ5_0: return pack_legacy_panels<LegacyKernel<22, false, true>, 22>(shards, s, n0, panels, k, out);
+    case kQ5_1: return pack_legacy_panels<LegacyKernel<24, true, true>, 24>(shards, s, n0, panels, k, out);
+    default: break;
+  }
 #endif
   thread_local PanelRow rows[8];
   for (int64_t p = 0; p < panels; ++p) {
