@@ -5,8 +5,11 @@ blocks) against the same file dequantized to fp32 (``--quantization none``, the 
 The Tempest:
 
 - perplexity over ``--tokens`` tokens in windows of 512, each window run as forwards of 16
-  tokens (decode-size steps, so every score comes from the integer dot kernels that decode
-  uses; one 512-token prefill would take the fp32 tiles), and its change vs the reference;
+  tokens (the rows of a decode batch or a verification step, not one 512-token prefill), and
+  its change vs the reference. Which kernel scores them is the machine's choice for 16 rows
+  (docs/gguf_native.md): ``KVFORGE_GGUF_GEMM_ROWS=0`` measures the integer dot kernels that
+  decode a single sequence, ``KVFORGE_GGUF_GEMM_ROWS=1 KVFORGE_GGUF_GEMM_KERNEL=panels`` the
+  int8 panels of prefill chunks and large batches;
 - teacher-forced top-1 agreement with HF transformers loading the same file dequantized (fp32)
   over the first ``--agree-tokens`` tokens (``--hf``; transformers needs the file's
   architecture), and with kvforge's own fp32 reference.
