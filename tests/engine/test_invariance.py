@@ -148,3 +148,39 @@ def test_native_gguf_rows_are_bitwise_batch_invariant(default_model_path, contex
     together = forward([extra], [context], [table])
     for i in range(len(extra)):
         assert torch.equal(together[i], one_at_a_time[i]), f"row {i} of {len(extra)}"
+
+
+def test_native_gguf_decode_batches_on_int8_panels(default_model_path, monkeypatch):
+    """Decode steps of 16+ rows take int8 panels inside the compiled decode stack (set here; the
+    engine measures the crossover per machine): a row's logits do not depend on the other rows
+    of the batch, and they stay near what the dot kernels give the same rows below the
+    crossover (other activation rounding, so not equal)."""
+    import torch
+    from kvforge.attention.metadata import AttentionMetadata
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "16")
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_KERNEL", "panels")
+    llm = LLM(default_model_path, num_kv_blocks=256, max_num_seqs=32)
+    runner = llm.engine.runner
+    model, caches, block = runner.model, runner.kv_caches, runner.block_size
+    assert model.quant_config.name == "gguf"
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 20000) for _ in range(9)] for _ in range(20)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(20)]
+
+    def forward(chunks, contexts, rows):
+        meta = AttentionMetadata.build([len(c) for c in chunks], contexts,
+                                       [tables[i] for i in rows], block)
+        with torch.inference_mode():
+            return model.compute_logits(
+                model(torch.tensor([t for c in chunks for t in c]), meta.positions(), caches,
+                      meta))
+
+    forward(prompts, [0] * 20, range(20))                       # 180 prefill rows: panels too
+    step = [[rng.randrange(100, 20000)] for _ in range(20)]
+    batch_20 = forward(step, [9] * 20, range(20))
+    assert model._decode_stack is not None, "decode steps run in the compiled stack"
+    batch_17 = forward(step[:17], [9] * 17, range(17))
+    assert torch.equal(batch_17, batch_20[:17])
+    dots_8 = forward(step[:8], [9] * 8, range(8))                # below the crossover
+    difference = (dots_8 - batch_20[:8]).abs().max()
+    assert 0 < difference < 0.05 * batch_20[:8].abs().max()

@@ -29,11 +29,11 @@
 //           = sum_k w[n][k] * step q[m][k]: the dequantized weights times the rounded activations.
 // The offsets take the rounded sums, not exact ones: then a weight's rounding error is
 // |w| * step / 2, not |scale * code| * step / 2 (Q6_K's codes sit 32 above the weights they
-// encode, Q4_K's mins shift them by ~half their range: the exact sums doubled the error).
+// encode: exact sums doubled its error on random blocks).
 //
 // The kernel (panel_tile): R activation rows x P panels (8 columns each). Per k step, a 32-byte
 // load of each panel and a 4-byte broadcast of each row; maddubs(codes, q) -> 16 int16 lanes
-// = column c's pair sums in lanes 2c, 2c + 1, added in int16 for kFlush steps (16 products of a
+// = column c's pair sums in lanes 2c, 2c + 1, added in int16 for Flush steps (16 products of a
 // 4-bit code and |q| <= 127 fit: 16 * 15 * 127 = 30480; 5-bit codes 4 steps, 6-bit 2), then
 // madd(., 1) -> 8 int32 column sums; per group one conversion, a multiply by the row's step and
 // two FMAs per row and panel.
