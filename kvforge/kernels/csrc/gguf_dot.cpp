@@ -154,6 +154,9 @@ struct GgufActivations {
         }
       }
   }
+
+ public:
+  // (also the int8 panels' rounding, gguf_gemm.cpp)
   // max |v| of 32 values (max is exact: any order gives the same result)
   static float abs_max_32(const float* v) {
 #if defined(__AVX2__)

@@ -330,18 +330,14 @@ struct GemmActivations {
   }
 
  private:
+  // the dot kernels' rounding of 16 values (round half to even of v * inv, as cvtps and
+  // nearbyint do in the default rounding mode) under one step per 32
   void quantize_32(const float* v, int64_t r, int64_t b) {
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float amax = GgufActivations::abs_max_32(v);
     const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
     int8_t* out = q.data() + r * k + 32 * b;
-    int lo = 0, hi = 0;
-    // nearbyint: round to nearest, ties to even (the default rounding mode), as cvtps does
-    for (int j = 0; j < 32; ++j) {
-      const int c = static_cast<int>(std::nearbyint(v[j] * inv));
-      out[j] = static_cast<int8_t>(c);
-      (j < 16 ? lo : hi) += c;
-    }
+    const int lo = GgufActivations::round_16(v, inv, out);
+    const int hi = GgufActivations::round_16(v + 16, inv, out + 16);
     step[r * (k / 32) + b] = d;
     sum16[r * (k / 16) + 2 * b] = d * static_cast<float>(lo);
     sum16[r * (k / 16) + 2 * b + 1] = d * static_cast<float>(hi);

@@ -6,11 +6,12 @@
 //                             DecodeStack step (run) or as one call from Python (linear), in
 //                             passes of kGgufDotRowsMax activation rows (prefill chunks)
 //   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
-//   any shards, >= gemm_min_rows rows (a long prefill chunk; 0: never)   the same tiles: where
-//                             ATen's GEMM runs near the FMA peak (Intel + MKL) they beat the
-//                             integer dots from ~64 rows (1.2-1.7x at 512); the engine
-//                             measures the crossover once per machine and block type
-//                             (kernels/gguf_tiles.py)
+//   block shards, >= gemm_min_rows rows (a prefill chunk, a decode batch of 16+; 0: never)
+//                             int8_panels: int8 panels (gguf_gemm.cpp; from Python: linear,
+//                             inside a DecodeStack step: run_panels), 2-3x the dots; shards
+//                             without a panel form (Q8_0) and int8_panels off: the fp32 tiles.
+//                             The engine measures the kernel and the crossover once per
+//                             machine and block type (kernels/gguf_tiles.py)
 //
 // The raw tensors are views of the file's memory map (quant/gguf.py): nothing is copied.
 #include "kernels.h"
