@@ -123,6 +123,29 @@ inline void transpose_8x8_dwords(__m256i r[8]) {
   r[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
 }
 
+// The 8 weight rows of the panel whose first column is n0 (nullptr past the shard's end)
+inline void panel_rows(const Shards& shards, size_t s, int64_t n0, const uint8_t* rows[8]) {
+  for (int c = 0; c < 8; ++c)
+    rows[c] = n0 + c < shards.first_row[s + 1] ? shards.row(s, n0 + c) : nullptr;
+}
+
+// Panel p of a block of panels starting at column n0: its weight rows and where its codes,
+// scales and offsets go (`groups` scale groups along K)
+struct PanelSlot {
+  const uint8_t* rows[8];
+  float *scale, *offset;
+  uint8_t* codes;
+};
+inline PanelSlot panel_slot(const Shards& shards, size_t s, int64_t n0, int64_t p, int64_t k,
+                            int64_t groups, Panels& out) {
+  PanelSlot slot;
+  panel_rows(shards, s, n0 + 8 * p, slot.rows);
+  slot.scale = out.scale.data() + p * groups * 8;
+  slot.offset = out.offset.data() + p * groups * 8;
+  slot.codes = out.codes.data() + p * k * 8;
+  return slot;
+}
+
 #if defined(__AVX2__)
 // The 32 codes of 32-group j (0..7) of a K-quant super-block at b, in a vector (a column's
 // sub-block: what transpose_8x8_dwords interleaves with 7 other columns')
@@ -148,16 +171,12 @@ void pack_k_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, i
                    Panels& out) {
   constexpr int64_t kBytes = Type == kQ4_K ? 144 : 210;
   constexpr int kGroups = Type == kQ4_K ? 8 : 16;           // scale groups per super-block
-  const int64_t groups = k / 256 * kGroups, end = shards.first_row[s + 1];
+  const int64_t groups = k / 256 * kGroups;
   for (int64_t p = 0; p < panels; ++p) {
-    const uint8_t* rows[8];
-    for (int c = 0; c < 8; ++c) {
-      const int64_t n = n0 + 8 * p + c;
-      rows[c] = n < end ? shards.row(s, n) : nullptr;
-    }
-    float* scale = out.scale.data() + p * groups * 8;
-    float* offset = out.offset.data() + p * groups * 8;
-    uint8_t* dst = out.codes.data() + p * k * 8;
+    const PanelSlot slot = panel_slot(shards, s, n0, p, k, groups, out);
+    const uint8_t* const* rows = slot.rows;
+    float *scale = slot.scale, *offset = slot.offset;
+    uint8_t* dst = slot.codes;
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       // each column's scales and offsets of this super-block (8 or 16 groups: vectors h of 8),
       // then the 8 columns interleaved like the codes: [group][column]
@@ -220,16 +239,12 @@ void pack_k_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, i
 template <class Legacy, int64_t Bytes>
 void pack_legacy_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, int64_t k,
                         Panels& out) {
-  const int64_t blocks = k / 32, end = shards.first_row[s + 1];
+  const int64_t blocks = k / 32;
   for (int64_t p = 0; p < panels; ++p) {
-    const uint8_t* rows[8];
-    for (int c = 0; c < 8; ++c) {
-      const int64_t n = n0 + 8 * p + c;
-      rows[c] = n < end ? shards.row(s, n) : nullptr;
-    }
-    float* scale = out.scale.data() + p * blocks * 8;
-    float* offset = out.offset.data() + p * blocks * 8;
-    uint8_t* dst = out.codes.data() + p * k * 8;
+    const PanelSlot slot = panel_slot(shards, s, n0, p, k, blocks, out);
+    const uint8_t* const* rows = slot.rows;
+    float *scale = slot.scale, *offset = slot.offset;
+    uint8_t* dst = slot.codes;
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i r[8];
       for (int c = 0; c < 8; ++c) {
@@ -254,7 +269,7 @@ void pack_legacy_panels(const Shards& shards, size_t s, int64_t n0, int64_t pane
 
 void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t n0,
                  int64_t panels, int64_t k, Panels& out) {
-  const int64_t groups = k / pf.group, end = shards.first_row[s + 1];
+  const int64_t groups = k / pf.group;
   out.codes.resize(panels * k * 8);
   out.scale.resize(panels * groups * 8);
   out.offset.resize(panels * groups * 8);
@@ -272,12 +287,13 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
   thread_local PanelRow rows[8];
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* col_codes[8];
+    const uint8_t* blocks[8];
+    panel_rows(shards, s, n0 + 8 * p, blocks);
     for (int c = 0; c < 8; ++c) {
-      const int64_t n = n0 + 8 * p + c;
       float* sc = out.scale.data() + p * groups * 8 + c;
       float* off = out.offset.data() + p * groups * 8 + c;
-      if (n < end) {
-        panel_row(shards.type[s], pf, shards.row(s, n), k, rows[c]);
+      if (blocks[c] != nullptr) {
+        panel_row(shards.type[s], pf, blocks[c], k, rows[c]);
         for (int64_t g = 0; g < groups; ++g) {
           sc[8 * g] = rows[c].scale[g];
           off[8 * g] = rows[c].offset[g];
