@@ -335,7 +335,7 @@ def main() -> int:
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
     """"yes" when every sequence equals the in-memory run's, else "equal/total" (GGUF blocks
-    round differently where a chunk's row count crosses the fp32-tile crossover:
+    round differently where a chunk's row count crosses the many-row crossover:
     docs/gguf_native.md)."""
     equal = sum(a == b for a, b in zip(tokens, reference))
     return "yes" if equal == len(tokens) else f"{equal}/{len(tokens)}"
