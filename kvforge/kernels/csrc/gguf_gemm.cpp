@@ -24,8 +24,9 @@
 //   sum   f32  [K / 16]   step * sum(q) of each 16 (sum32: the same per 32)
 //         f32  [K / 32]
 //
-//   y[m][n] = sum over groups g   scale[g][n] * step[m][g G / 32] * (sum_{k in g} code[k][n] q[m][k])
-//                                 + offset[g][n] * sum[m][g]
+//   y[m][n] = sum over groups g   scale[g][n] * step[m][g G / 32] * dot[m][n][g]
+//                                 + offset[g][n] * sum[m][g],
+//   dot[m][n][g] = sum over k in g   code[k][n] * q[m][k]   (int32)
 //           = sum_k w[n][k] * step q[m][k]: the dequantized weights times the rounded activations.
 // The offsets take the rounded sums, not exact ones: then a weight's rounding error is
 // |w| * step / 2, not |scale * code| * step / 2 (Q6_K's codes sit 32 above the weights they
@@ -41,6 +42,16 @@
 
 namespace kvforge {
 namespace {
+// Register tiles (rows x panels) of the 4-bit codes and of the codes that flush more often
+// (5- and 6-bit: they also hold int32 group sums). AVX2 has 16 ymm registers; the AVX-512 build
+// compiles the same ymm code with 32 (EVEX), where taller tiles reuse each panel load more
+// (timed on the 1.5B's shapes at 32 / 512 rows: Q4_K 6 x 2 vs 4 x 2 +10% at 32 rows on the
+// 17920 x 1536 gate|up, even elsewhere; Q6_K 4 x 2 vs 3 x 2 +2-4%). The AVX2 shapes: below.
+#if defined(__AVX512F__)
+constexpr int kQ4Rows = 6, kQ4Panels = 2, kFlushRows = 4, kFlushPanels = 2;
+#else
+constexpr int kQ4Rows = 4, kQ4Panels = 2, kFlushRows = 3, kFlushPanels = 2;
+#endif
 
 // The panel form of a block type: its group (scale) size, how many bits its codes have, and
 // the bias that makes its codes unsigned (Q4_0's nibble - 8 is stored as the nibble).
@@ -276,11 +287,15 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
 #if defined(__AVX2__)
   if (shards.type[s] == kQ4_K) return pack_k_panels<kQ4_K>(shards, s, n0, panels, k, out);
   if (shards.type[s] == kQ6_K) return pack_k_panels<kQ6_K>(shards, s, n0, panels, k, out);
+  using Q4_0 = LegacyKernel<18, false, false>;
+  using Q4_1 = LegacyKernel<20, true, false>;
+  using Q5_0 = LegacyKernel<22, false, true>;
+  using Q5_1 = LegacyKernel<24, true, true>;
   switch (shards.type[s]) {
-    case kQ4_0: return pack_legacy_panels<LegacyKernel<18, false, false>, 18>(shards, s, n0, panels, k, out);
-    case kQ4_1: return pack_legacy_panels<LegacyKernel<20, true, false>, 20>(shards, s, n0, panels, k, out);
-    case kQ5_0: return pack_legacy_panels<LegacyKernel<22, false, true>, 22>(shards, s, n0, panels, k, out);
-    case kQ5_1: return pack_legacy_panels<LegacyKernel<24, true, true>, 24>(shards, s, n0, panels, k, out);
+    case kQ4_0: return pack_legacy_panels<Q4_0, 18>(shards, s, n0, panels, k, out);
+    case kQ4_1: return pack_legacy_panels<Q4_1, 20>(shards, s, n0, panels, k, out);
+    case kQ5_0: return pack_legacy_panels<Q5_0, 22>(shards, s, n0, panels, k, out);
+    case kQ5_1: return pack_legacy_panels<Q5_1, 24>(shards, s, n0, panels, k, out);
     default: break;
   }
 #endif
@@ -481,16 +496,20 @@ void panels_times_rows(const GemmActivations& act, int64_t m0, int64_t rows, con
 void panels_times_rows(const PanelFormat& pf, const GemmActivations& act, int64_t m0,
                        int64_t rows, const Panels& w, int64_t panels, int64_t k, float* out,
                        int64_t out_stride) {
-  // tiles timed on Qwen2.5-1.5B's shapes at 32 and 512 rows (AVX2, Xeon; GFLOP/s at 512):
+  // The AVX2 build's tiles, timed on Qwen2.5-1.5B's shapes at 32 and 512 rows (Xeon; GFLOP/s
+  // at 512):
   // 4-bit 4 x 2 (355-375; 3 x 2 277-304, 5 x 2 310, 2 x 4 300-324, 4 x 3 279-297, 6 x 2
   // 274-283: 16 ymm hold 8 int16 sums, 2 panels' codes and a broadcast); the codes that flush
   // every 4 or 2 steps also hold int32 group sums: 3 x 2 (Q6_K 288-299; 4 x 2 276-283, 2 x 2
   // 280-306, 4 x 1 291-293, 2 x 3 241-267)
   if (pf.group == 16)
-    return panels_times_rows<16, 2, 3, 2>(act, m0, rows, w, panels, k, out, out_stride);
+    return panels_times_rows<16, 2, kFlushRows, kFlushPanels>(act, m0, rows, w, panels, k, out,
+                                                              out_stride);
   if (pf.code_bits == 5)
-    return panels_times_rows<32, 4, 3, 2>(act, m0, rows, w, panels, k, out, out_stride);
-  return panels_times_rows<32, 8, 4, 2>(act, m0, rows, w, panels, k, out, out_stride);
+    return panels_times_rows<32, 4, kFlushRows, kFlushPanels>(act, m0, rows, w, panels, k, out,
+                                                              out_stride);
+  return panels_times_rows<32, 8, kQ4Rows, kQ4Panels>(act, m0, rows, w, panels, k, out,
+                                                      out_stride);
 }
 
 // Output columns per unpacked block: its codes (cols x K bytes) held in half of L2 while every

@@ -130,7 +130,8 @@ class GgufWeight {
         const int64_t u_end = std::min(u1, unit_first_[s + 1]);
         const int64_t first = shards_.first_row[s];
         const int64_t n0 = first + kUnit * (u - unit_first_[s]);
-        const int64_t n1 = std::min(shards_.first_row[s + 1], first + kUnit * (u_end - unit_first_[s]));
+        const int64_t n1 =
+            std::min(shards_.first_row[s + 1], first + kUnit * (u_end - unit_first_[s]));
         panel_columns(team_act_, rows, shards_, s, n0, n1, bias, y, ys);
         u = u_end;
       }
