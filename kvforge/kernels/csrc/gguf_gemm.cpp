@@ -355,10 +355,6 @@ struct GemmActivations {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < k / 32; ++b) quantize_32(x + r * xs + 32 * b, r, b);
   }
-  void quantize(const float* x, int64_t xs, int64_t rows, int64_t width) {
-    resize(rows, width);
-    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { quantize_rows(x, xs, r0, r1); });
-  }
 
  private:
   // the dot kernels' rounding of 16 values (round half to even of v * inv, as cvtps and
@@ -544,23 +540,6 @@ void panel_columns(const GemmActivations& act, int64_t rows, const Shards& shard
         for (int64_t n = n0; n < n1; ++n) out[n] = t[n - n0] + bias[n];
     }
   }
-}
-
-// y[:, the columns of the shards whose `use` is set] = x @ W_s^T over int8 panels (no bias:
-// the caller adds it), from Python (ATen's thread pool); the rows were quantized into `act`.
-void panels_many_rows(const GemmActivations& act, int64_t rows, const Shards& shards,
-                      const std::vector<char>& use, float* y, int64_t ys) {
-  const int64_t block = panel_block_columns(act.k);
-  struct Item { size_t shard; int64_t n0, n1; };
-  std::vector<Item> items;
-  for (size_t s = 0; s < shards.data.size(); ++s)
-    if (use[s])
-      for (int64_t n0 = shards.first_row[s]; n0 < shards.first_row[s + 1]; n0 += block)
-        items.push_back({s, n0, std::min(shards.first_row[s + 1], n0 + block)});
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      panel_columns(act, rows, shards, items[i].shard, items[i].n0, items[i].n1, nullptr, y, ys);
-  });
 }
 
 }  // namespace

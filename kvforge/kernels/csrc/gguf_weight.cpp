@@ -34,8 +34,9 @@ class GgufWeight {
       on_panels_.push_back(int8_panels && panel_format(shards_.type[s]).group > 0);
       any_on_panels_ = any_on_panels_ || on_panels_.back();
       all_on_panels_ = all_on_panels_ && on_panels_.back();
-      unit_first_.push_back(unit_first_.back() +
-                            (shards_.first_row[s + 1] - shards_.first_row[s] + 15) / 16);
+      // run_panels' units: none for a shard off panels
+      const int64_t shard_rows = shards_.first_row[s + 1] - shards_.first_row[s];
+      unit_first_.push_back(unit_first_.back() + (on_panels_.back() ? (shard_rows + 15) / 16 : 0));
     }
     for (size_t s = 0; s < shards_.type.size(); ++s)
       dots_.push_back(shards_.format[s].quantized
@@ -52,7 +53,7 @@ class GgufWeight {
   void run(const float* x, int64_t xs, const float* bias, float* y, int64_t ys, int64_t rows,
            const Team& team, ShareClaim* claims) const {
     if (all_on_panels_ && gemm_min_rows_ > 0 && rows >= gemm_min_rows_)
-      return run_panels(x, xs, bias, y, ys, rows, team, claims);
+      return run_panels(x, xs, bias, y, ys, rows, team, claims, team_act_);
     thread_local GgufActivations act;
     thread_local std::vector<float> values;
     const ActRow* acts = nullptr;
@@ -107,17 +108,18 @@ class GgufWeight {
     });
   }
 
-  // run() from gemm_min_rows rows on, when every shard has a panel form (a large decode batch,
-  // a verification step of many rows): the team quantizes the rows into one shared buffer (each
-  // thread its share, then a barrier), then claims output columns in units of 2 panels, each
-  // claim unpacking its columns once for all rows (gguf_gemm.cpp). Not re-entrant: one run of
-  // this weight at a time (DecodeStack runs its layers in turn).
+  // The columns of the shards on panels (all of them inside run(); linear() leaves the others
+  // to the tiles), from gemm_min_rows rows on (a decode batch, a prefill chunk): the team
+  // quantizes the rows into `act`, one buffer for the team (each thread its share, then a
+  // barrier), then claims output columns in units of 2 panels, each claim unpacking its
+  // columns once for all rows (gguf_gemm.cpp).
   void run_panels(const float* x, int64_t xs, const float* bias, float* y, int64_t ys,
-                  int64_t rows, const Team& team, ShareClaim* claims) const {
-    if (team.rank() == 0) team_act_.resize(rows, k_);
+                  int64_t rows, const Team& team, ShareClaim* claims,
+                  GemmActivations& act) const {
+    if (team.rank() == 0) act.resize(rows, k_);
     team.barrier();
-    team_act_.quantize_rows(x, xs, Team::split(rows, team.rank(), team.size()),
-                            Team::split(rows, team.rank() + 1, team.size()));
+    act.quantize_rows(x, xs, Team::split(rows, team.rank(), team.size()),
+                      Team::split(rows, team.rank() + 1, team.size()));
     team.barrier();
     // units of 16 columns per shard: unit u of shard s = columns first_row[s] + 16 (u - u_s) ..
     constexpr int64_t kUnit = 16;
@@ -132,7 +134,7 @@ class GgufWeight {
         const int64_t n0 = first + kUnit * (u - unit_first_[s]);
         const int64_t n1 =
             std::min(shards_.first_row[s + 1], first + kUnit * (u_end - unit_first_[s]));
-        panel_columns(team_act_, rows, shards_, s, n0, n1, bias, y, ys);
+        panel_columns(act, rows, shards_, s, n0, n1, bias, y, ys);
         u = u_end;
       }
     });
@@ -168,9 +170,12 @@ class GgufWeight {
       many_rows(x, shards_, y);
       if (b != nullptr) y.add_(*bias);
     } else {
-      thread_local GemmActivations act;
-      act.quantize(x.data_ptr<float>(), x.stride(0), rows, k_);
-      panels_many_rows(act, rows, shards_, on_panels_, y.data_ptr<float>(), out_features());
+      GemmActivations act;            // this call's: linear() may run on several threads
+      std::vector<ShareClaim> claims(std::max(1, at::get_num_threads()));
+      run_team([&](const Team& team) {
+        run_panels(x.data_ptr<float>(), x.stride(0), nullptr, y.data_ptr<float>(),
+                   out_features(), rows, team, claims.data(), act);
+      });
       std::vector<char> rest(on_panels_.size());
       bool any_rest = false;
       for (size_t s = 0; s < rest.size(); ++s) any_rest = any_rest || (rest[s] = !on_panels_[s]);
@@ -220,7 +225,7 @@ class GgufWeight {
   std::vector<char> on_panels_;      // per shard: int8 panels from gemm_min_rows rows on
   bool any_on_panels_ = false, all_on_panels_ = false;
   std::vector<int64_t> unit_first_;  // run_panels' 16-column units: prefix sums per shard
-  mutable GemmActivations team_act_; // run_panels' rows, shared by the team
+  mutable GemmActivations team_act_; // run()'s rows on panels, shared by the team
   std::vector<RowsDot> dots_;        // per shard; nullptr: a float row
 };
 
