@@ -70,9 +70,8 @@ def _shared_choices(quantization: str, source: ModelSource) -> dict[str, str]:
     """What every rank must choose alike, chosen once here and handed to the workers as
     environment: the rows from which the model's GGUF block types leave the dot kernels and
     for which kernel, int8 panels or fp32 tiles (measured per machine and type,
-    kernels/gguf_tiles.py; two ranks measuring at once could
-    disagree, and a rank on the other path would round its partial sums differently from run
-    to run)."""
+    kernels/gguf_tiles.py; two ranks measuring at once could disagree, and a rank on the other
+    path would round its partial sums differently from run to run)."""
     if quantization != "gguf":
         return {}
     from kvforge.kernels.gguf_tiles import shared_env

@@ -271,29 +271,17 @@ def gemm_kernel(type_name: str) -> str:
 
 
 def shard_gemm_path(type_names: Iterable[str], rows: Iterable[int]) -> tuple[int, bool]:
-    """(crossover, int8 panels) of a projection: shard_gemm_min_rows, and whether the shards
-    with a panel form take panels (the kernel of the same voting type)."""
-    type_names, rows = list(type_names), list(rows)
-    voter = _voting_type(type_names, rows)
-    if voter is None:
-        return 0, False
-    return gemm_min_rows(voter), gemm_kernel(voter) == "panels"
-
-
-def _voting_type(type_names: list[str], rows: list[int]) -> str | None:
+    """(crossover, int8 panels) for a projection whose shards (one type each, ``rows`` output
+    rows each) switch paths together: the crossover and kernel of the type with the most rows
+    (Q4_K_M files put a Q6_K ``v`` beside Q4_K ``q`` and ``k``). Float shards do not vote."""
     votes: dict[str, int] = {}
     for name, n in zip(type_names, rows):
         if name in BLOCK_TYPES:
             votes[name] = votes.get(name, 0) + n
-    return max(votes, key=votes.__getitem__) if votes else None
-
-
-def shard_gemm_min_rows(type_names: Iterable[str], rows: Iterable[int]) -> int:
-    """The crossover for a projection whose shards (one type each, ``rows`` output rows each)
-    switch paths together: the crossover of the type with the most rows (Q4_K_M files put a
-    Q6_K ``v`` beside Q4_K ``q`` and ``k``). Float shards do not vote."""
-    voter = _voting_type(list(type_names), list(rows))
-    return 0 if voter is None else gemm_min_rows(voter)
+    if not votes:
+        return 0, False
+    voter = max(votes, key=votes.__getitem__)
+    return gemm_min_rows(voter), gemm_kernel(voter) == "panels"
 
 
 def shared_env(type_names: Iterable[str]) -> dict[str, str]:

@@ -66,11 +66,11 @@ def test_a_projection_takes_the_crossover_of_its_largest_block_type(monkeypatch)
     monkeypatch.delenv(gguf_tiles.KERNEL_ENV_VAR, raising=False)
     monkeypatch.setenv("KVFORGE_TUNE", "0")
     # a Q4_K_M qkv: q and k Q4_K, v Q6_K
-    assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q4_K", "Q6_K"], [1536, 256, 256]) == 256
-    assert gguf_tiles.shard_gemm_min_rows(["Q4_K", "Q6_K"], [256, 1536]) == 512
+    assert gguf_tiles.shard_gemm_path(["Q4_K", "Q4_K", "Q6_K"], [1536, 256, 256])[0] == 256
+    assert gguf_tiles.shard_gemm_path(["Q4_K", "Q6_K"], [256, 1536])[0] == 512
     # float shards do not vote; all-float projections never take these tiles
-    assert gguf_tiles.shard_gemm_min_rows(["F32", "Q4_1"], [4096, 8]) == 48
-    assert gguf_tiles.shard_gemm_min_rows(["F16"], [4096]) == 0
+    assert gguf_tiles.shard_gemm_path(["F32", "Q4_1"], [4096, 8])[0] == 48
+    assert gguf_tiles.shard_gemm_path(["F16"], [4096])[0] == 0
     # what a tensor-parallel worker gets: the same numbers and kernels, named
     monkeypatch.setenv(gguf_tiles.KERNEL_ENV_VAR, "Q6_K=tiles")
     assert gguf_tiles.shared_env(["Q6_K", "F32", "Q4_K", "Q4_K"]) == {
