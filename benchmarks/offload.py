@@ -232,7 +232,12 @@ def child_accelerate(cfg: dict) -> dict:
             "device_map": placed}
 
 
-CHILDREN = {"runtime": child_runtime, "kvforge": child_kvforge, "accelerate": child_accelerate}
+def child_hf_dir(cfg: dict) -> dict:
+    return {"hf_dir": hf_dir_of(cfg["model"], cfg["offload_dir"])}
+
+
+CHILDREN = {"runtime": child_runtime, "kvforge": child_kvforge, "accelerate": child_accelerate,
+            "hf_dir": child_hf_dir}
 
 
 def run_child(cfg: dict) -> dict:
@@ -304,7 +309,9 @@ def main() -> int:
         systems["lp fp32"] = dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
                                   quantization="none")
     if not args.skip_accelerate and not args.grid_only:
-        hf_dir = hf_dir_of(model_path, args.offload_dir)
+        # converted in a child: a child's peak RSS (getrusage) starts from its parent's RSS
+        # at the fork, so the parent must not hold the model
+        hf_dir = run_child(dict(base, kind="hf_dir"))["hf_dir"]
         for name, evict in (("accelerate (disk)", True), ("accelerate (page cache)", False)):
             systems[name] = dict(base, kind="accelerate", hf_dir=hf_dir, evict=evict,
                                  prompts=args.accelerate_prompts,

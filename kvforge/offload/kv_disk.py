@@ -12,6 +12,7 @@ them (a small direct write costs its latency, ~60 us here, more than its bytes).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,7 @@ class DiskKVLayer:
         os.unlink(path)
         self.bytes_read = 0
         self.bytes_written = 0
+        self._count_lock = threading.Lock()     # reads run on several loader threads
 
     def staging_bytes(self, plan: BlockReadPlan) -> int:
         return 2 * plan.num_local * self.block_bytes
@@ -97,7 +99,8 @@ class DiskKVLayer:
         for first, count, l0 in plan.runs:
             views = self._planes(buf, plan.num_local, list(range(l0, l0 + count)))
             self._io(os.preadv, views, first * self.slot_bytes)
-            self.bytes_read += count * self.slot_bytes
+            with self._count_lock:
+                self.bytes_read += count * self.slot_bytes
 
     def write(self, num_local: int, runs: list[tuple[int, list[int]]], buf: memoryview) -> None:
         """Write staged blocks to fresh slots: ``runs`` of (first slot, local ids), one

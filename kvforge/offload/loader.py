@@ -2,10 +2,10 @@
 blocks of one layer) from the disk tier into a ring of aligned slot buffers, in the order
 compute will want them.
 
-With ``prefetch`` a thread reads ahead while compute runs (``os.preadv`` releases the GIL, as do
-torch's kernels), so stage i + 1 loads while stage i computes; the ring's size bounds how far
-ahead it reads and so the fast tier's bytes. Without it (the naive policy) ``acquire`` reads
-synchronously: load, then compute, never both. A slot is released by whoever finishes with it
+With ``prefetch`` reader threads (one, or several for small stages) read ahead while compute
+runs (``os.preadv`` releases the GIL, as do torch's kernels), so stage i + 1 loads while stage
+i computes; the ring's size bounds how far ahead they read and so the fast tier's bytes.
+Without it (the naive policy) ``acquire`` reads synchronously: load, then compute, never both. A slot is released by whoever finishes with it
 last (compute, or the store thread writing a batch's KV back), in any order."""
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ class Slot:
 
 class StageLoader:
     def __init__(self, slot_bytes: int, num_slots: int, prefetch: bool,
-                 trace: TraceRecorder) -> None:
+                 trace: TraceRecorder, threads: int = 1) -> None:
         if num_slots < 1 or (prefetch and num_slots < 2):
             raise ValueError(f"the loader needs >= 1 slot (>= 2 to prefetch), got {num_slots}")
+        if prefetch and not 1 <= threads < num_slots:
+            raise ValueError(f"the loader needs 1 <= threads < slots ({num_slots}), got {threads}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.slots = [Slot(slot_bytes) for _ in range(num_slots)]
@@ -54,11 +56,13 @@ class StageLoader:
         self._free = collections.deque(self.slots)
         self._error: BaseException | None = None
         self._closed = False
-        self._thread = None
-        if prefetch:
-            self._thread = threading.Thread(target=self._run, name="kvforge-offload-loader",
-                                            daemon=True)
-            self._thread.start()
+        # reader threads: each takes the next pending stage and a free slot; compute still
+        # acquires slots in schedule order (``_issued``), whichever thread read them
+        self._threads = [threading.Thread(target=self._run, name="kvforge-offload-loader",
+                                          daemon=True)
+                         for _ in range(threads if prefetch else 0)]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------ compute side
     def resize(self, slot_bytes: int) -> None:
@@ -125,8 +129,8 @@ class StageLoader:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        for t in self._threads:
+            t.join()
 
     def _check(self, stage: Stage | None, name: str) -> None:
         if stage is None or stage.name != name:

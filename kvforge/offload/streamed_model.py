@@ -27,7 +27,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
 from kvforge.offload.block_layer import block_layer_forward
-from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
+from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_LOADER_THREADS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
 from kvforge.offload.kv_slots import DiskSlotMap
@@ -129,7 +129,8 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         self.kv_disk = layers
         self.kv_slots = slots
         if layers:
-            self.kv_loader = StageLoader(1 << 20, KV_STAGING_SLOTS, True, self.trace)
+            self.kv_loader = StageLoader(1 << 20, KV_STAGING_SLOTS, True, self.trace,
+                                         threads=KV_LOADER_THREADS)
             self.store_worker = StoreWorker(self.trace)
 
     def first_attention_backend(self):

@@ -139,3 +139,32 @@ def test_loader_serves_stages_in_order_and_refuses_out_of_order(prefetch):
         loader.acquire("s7")
     loader.close()
     assert reads[:4] == [0, 1, 2, 3]
+
+
+def test_loader_threads_finish_out_of_order_but_serve_in_schedule_order():
+    """Several reader threads (the KV loader's): a later stage may land first, compute still
+    gets every stage in schedule order with its own bytes, and stages wait for free slots."""
+    import random
+    import time
+    rng = random.Random(0)
+    delays = [0.05] + [rng.uniform(0, 0.004) for _ in range(23)]   # s0 lands after s1
+    finished = []
+
+    def stage(i):
+        def read(buf):
+            time.sleep(delays[i])
+            buf[:2] = bytes([i, 255 - i])
+            finished.append(i)
+        return Stage(f"s{i}", read)
+
+    with pytest.raises(ValueError, match="threads < slots"):
+        StageLoader(ALIGN, 3, True, TraceRecorder(), threads=3)
+    loader = StageLoader(ALIGN, 4, True, TraceRecorder(), threads=3)
+    loader.schedule([stage(i) for i in range(24)])
+    for i in range(24):
+        slot = loader.acquire(f"s{i}")
+        assert (slot.tensor[0].item(), slot.tensor[1].item()) == (i, 255 - i)
+        loader.release(slot)
+    loader.close()
+    assert sorted(finished) == list(range(24))
+    assert finished.index(1) < finished.index(0)     # another thread read on meanwhile
