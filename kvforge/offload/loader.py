@@ -5,8 +5,9 @@ compute will want them.
 With ``prefetch`` reader threads (one, or several for small stages) read ahead while compute
 runs (``os.preadv`` releases the GIL, as do torch's kernels), so stage i + 1 loads while stage
 i computes; the ring's size bounds how far ahead they read and so the fast tier's bytes.
-Without it (the naive policy) ``acquire`` reads synchronously: load, then compute, never both. A slot is released by whoever finishes with it
-last (compute, or the store thread writing a batch's KV back), in any order."""
+Without it (the naive policy) ``acquire`` reads synchronously: load, then compute, never both.
+A slot is released by whoever finishes with it last (compute, or the store thread writing a
+batch's KV back), in any order."""
 from __future__ import annotations
 
 import collections
