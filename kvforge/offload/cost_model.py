@@ -21,10 +21,6 @@ CATEGORIES = ((True, True), (False, True), (True, False), (False, False))
 # reads on the one disk; 8 gave the 135M benchmark 11% more tok/s (4 alternated rounds), for
 # 8 batches' KV of RAM (~7 MiB there)
 KV_STAGING_SLOTS = 8
-# threads reading KV stages: a batch's stage is a few 100 KB of vectored direct reads that wait
-# behind the weight loader's layer reads on the one disk; two keep a second read queued (the
-# 135M benchmark: 6-19% more tok/s in 8 of 10 alternated pairs; the slots stay KV_STAGING_SLOTS)
-KV_LOADER_THREADS = 2
 # a layer's dense projections take up to this many of the step's tokens in one call (a decode
 # block whole; a prefill step in groups of batches, which bounds the activations it holds)
 DENSE_GROUP_ROWS = 512

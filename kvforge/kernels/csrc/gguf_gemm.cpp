@@ -301,14 +301,13 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
 #endif
   thread_local PanelRow rows[8];
   for (int64_t p = 0; p < panels; ++p) {
+    const PanelSlot slot = panel_slot(shards, s, n0, p, k, groups, out);
     const uint8_t* col_codes[8];
-    const uint8_t* blocks[8];
-    panel_rows(shards, s, n0 + 8 * p, blocks);
     for (int c = 0; c < 8; ++c) {
-      float* sc = out.scale.data() + p * groups * 8 + c;
-      float* off = out.offset.data() + p * groups * 8 + c;
-      if (blocks[c] != nullptr) {
-        panel_row(shards.type[s], pf, blocks[c], k, rows[c]);
+      float* sc = slot.scale + c;
+      float* off = slot.offset + c;
+      if (slot.rows[c] != nullptr) {
+        panel_row(shards.type[s], pf, slot.rows[c], k, rows[c]);
         for (int64_t g = 0; g < groups; ++g) {
           sc[8 * g] = rows[c].scale[g];
           off[8 * g] = rows[c].offset[g];
@@ -319,7 +318,7 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
       }
       col_codes[c] = rows[c].codes.data();
     }
-    uint8_t* dst = out.codes.data() + p * k * 8;
+    uint8_t* dst = slot.codes;
 #if defined(__AVX2__)
     for (int64_t k0 = 0; k0 < k; k0 += 32) {       // 8 k steps of the 8 columns at a time
       __m256i r[8];
