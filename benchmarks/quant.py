@@ -8,7 +8,8 @@ A method spec is ``name[:opt...]``, opt = ``gN`` (group_size=N) or ``key=value``
 quantization argument), e.g. ``int4:g32:lm_head=int4``. Default rows: fp32 (the GGUF
 dequantized), int8, int4-RTN g32/g64/g128, GGUF Q4_1 kept at 4 bits, AWQ g32/g64/g128 (same
 groups as RTN), int4 g32 and GGUF with an int4 LM head, int4 g128 + LoRC rank 8, FP4 g32 and
-g128, ZeroQuant W8A8 (and with LKD), SpQR, then every other method registered in kvforge.quant
+g128, FP4 g32 with per-group E2M1/E1M2, offsets, scale search and activation weighting,
+ZeroQuant W8A8 (and with LKD), SpQR, then every other method registered in kvforge.quant
 (LLM.int8(), SmoothQuant, FP8, ...).
 Models (``--models``): the default model and the 1.5B of the catalogue, each loaded from its
 GGUF and dequantized to fp32 before quantizing; ``--skip-large`` keeps the default model only.
@@ -37,7 +38,8 @@ from benchmarks.report import format_table
 
 BUILTIN = ["none", "int8", "int4:g32", "int4:g64", "int4:g128", "gguf", "awq:g32", "awq:g64",
            "awq:g128", "int4:g32:lm_head=int4", "gguf:lm_head=int4", "int4:g128:lorc_rank=8",
-           "fp4:g32", "fp4:g128", "zeroquant", "zeroquant:lkd_steps=20", "spqr"]
+           "fp4:g32", "fp4:g128", "fp4:g32:formats=mixed:asymmetric=1:scale_search=16:act_aware=1",
+           "zeroquant", "zeroquant:lkd_steps=20", "spqr"]
 DEFAULT_MODELS = "default,qwen2.5-coder-1.5b-instruct"
 
 

@@ -72,6 +72,24 @@ def run_calibration_forward(model, batches: Iterable[Sequence[int]], block_size:
     return num_tokens
 
 
+def calibrate_recording_layers(model, batches: Iterable[Sequence[int]], layers: list) -> None:
+    """Run ``batches`` through ``model`` with each of ``layers``' methods recording its inputs
+    (``method.recording``), then ``method.finish(layer)`` each: the flow of the methods that
+    wait for input statistics outside ``CalibratedLinearMethod`` (LoRC's and fp4's
+    activation-aware options)."""
+    if not layers:
+        return
+    for layer in layers:
+        layer.method.recording = True
+    try:
+        run_calibration_forward(model, batches)
+    finally:
+        for layer in layers:
+            layer.method.recording = False
+    for layer in layers:
+        layer.method.finish(layer)
+
+
 @dataclass
 class InputScaledRows:
     """Saved rows of a calibrated layer: the quantized rows of W * s (``Int4Blocks`` or

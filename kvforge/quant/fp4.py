@@ -1,123 +1,32 @@
-"""FP4 (E2M1) weights with group scales (``--quantization fp4``; ZeroQuant-FP, LLM-FP4's weights).
-
-E2M1 is a 4-bit float: sign, 2 exponent bits, 1 mantissa bit. Its 16 codes (code = sign << 3 |
-magnitude index) stand for
-
-    +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}          (the OCP MX FP4 element)
-
-Per group of G input channels of a row, ``W ~= scale * E2M1[code]``, scale = max|w| / 6 by
-default. The grid is denser near zero, where most weights of a group lie, and coarser at the
-edge than INT4's uniform 15 steps. ``scale_search`` > 1 tries that many scales between 0.7x and
-1x the max-based one per group and keeps the one of least squared error (clipping the few
-largest weights buys finer steps for the rest). Scales are bf16 and codes are chosen after the
-rounding, so the search measures the parameters that actually run.
+"""FP4 weights with group scales (``--quantization fp4``; ZeroQuant-FP, LLM-FP4, MixFP4): the
+storage, the layer and the config. The number formats and the search for each group's codes
+(E2M1 / E1M2 per group, scale and offset search, activation weighting) are in fp4_format.py.
 
 Storage: codes nibble-packed like INT4's portable form (``fp4_packed`` [n, Kp/2] uint8, even
-column in the low nibble) and ``fp4_scales`` [n, Kp/G] bf16: 4 + 16/G bits per weight
-(``asymmetric``: + ``fp4_offsets`` [n, Kp/G] bf16, the same 4 + 32/G bits as INT4).
-Forward (CPU, pure torch): a 256-entry table maps each packed byte to its two E2M1 values (the
-16-entry table squared), so one gather decodes two weights; a tile of ``tile_rows`` output rows
-is decoded, scaled and multiplied at a time (bounded temporary memory, nothing cached between
-calls). Like fp8 this is a storage format on CPU: every call decodes every weight.
+column in the low nibble) and ``fp4_scales`` [n, Kp/G] bf16 (sign bit = E1M2): 4 + 16/G bits
+per weight (``asymmetric``: + ``fp4_offsets`` [n, Kp/G] bf16, the same 4 + 32/G bits as INT4).
+Forward (CPU, pure torch): a 512-entry table maps (split, packed byte) to the byte's two values
+(each split's 16-entry table squared), so one gather decodes two weights; a tile of
+``tile_rows`` output rows is decoded, scaled and multiplied at a time (bounded temporary memory,
+nothing cached between calls). Like fp8 this is a storage format on CPU: every call decodes
+every weight.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
 from kvforge.quant.base import (QuantizationConfig, is_lm_head, register_quantization,
                                 weight_shard_rows)
+from kvforge.quant.fp4_format import (check_fp4_formats, check_fp4_group_size,
+                                      decode_packed_fp4, dequantize_fp4, quantize_fp4)
 from kvforge.quant.int8 import lm_head_method
 from kvforge.quant.lowrank import LoRCConfigMixin
 from kvforge.quant.row_formats import GroupedCodeRows, register_row_format
-
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-FP4_TABLE = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES))   # code -> value
-# byte b = lo | hi << 4 -> (value of lo, value of hi): decodes two packed weights per lookup
-FP4_PAIR_TABLE = torch.stack([FP4_TABLE.repeat(16), FP4_TABLE.repeat_interleave(16)], dim=1)
-_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:])])
-FP4_GROUP_SIZES = (16, 32, 64, 128)
-SCALE_SEARCH_LOW = 0.7                    # smallest scale tried, relative to max|w| / 6
-
-
-def check_fp4_group_size(group_size) -> int:
-    if group_size not in FP4_GROUP_SIZES:
-        raise ValueError(f"fp4 group_size must be one of {FP4_GROUP_SIZES}, got {group_size!r}")
-    return group_size
-
-
-def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """w [n, K] -> [n, Kp/G, G] float32, padded with zeros (a zero costs nothing in FP4)."""
-    n, k = w.shape
-    kp = packing.padded_in_features(k, group_size)
-    return F.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
-
-
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (uint8 0..15) of each value of ``x`` (already divided by its scale)."""
-    mag = torch.bucketize(x.abs().clamp(max=E2M1_MAX), _MIDPOINTS)
-    return (mag + 8 * (x < 0)).to(torch.uint8)
-
-
-def quantize_fp4(w: torch.Tensor, group_size: int, scale_search: int = 1,
-                 asymmetric: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """w [n, K] -> (codes [n, Kp] uint8 0..15, scale [n, Kp/G] bf16, offset [n, Kp/G] bf16 or
-    None): W ~= scale * E2M1[code] (+ offset). ``asymmetric`` centres each group's grid on the
-    middle of its range (offset = (min + max) / 2, as AFPQ does): a group that is not centred
-    on zero then spends no code on values it does not have."""
-    g = _groups(w, check_fp4_group_size(group_size))
-    offset = None
-    if asymmetric:
-        offset = ((g.amin(dim=-1) + g.amax(dim=-1)) / 2).to(packing.SCALE_DTYPE)
-        g = g - offset.float()[..., None]
-    amax = g.abs().amax(dim=-1)
-    best_scale, best_err = None, None
-    for i in range(scale_search):
-        shrink = 1.0 - (1.0 - SCALE_SEARCH_LOW) * i / max(scale_search - 1, 1)
-        scale = (amax * shrink / E2M1_MAX).to(packing.SCALE_DTYPE).float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        deq = FP4_TABLE[e2m1_codes(g / safe[..., None]).long()] * scale[..., None]
-        err = (deq - g).pow(2).sum(dim=-1)
-        if best_err is None:
-            best_scale, best_err = scale, err
-        else:
-            better = err < best_err
-            best_scale = torch.where(better, scale, best_scale)
-            best_err = torch.where(better, err, best_err)
-    safe = torch.where(best_scale > 0, best_scale, torch.ones_like(best_scale))
-    codes = e2m1_codes(g / safe[..., None]).reshape(g.shape[0], -1)
-    return codes, best_scale.to(packing.SCALE_DTYPE), offset
-
-
-def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor, in_features: int | None = None,
-                   offset: torch.Tensor | None = None) -> torch.Tensor:
-    n, kp = codes.shape
-    groups = scale.shape[1]
-    w = (FP4_TABLE[codes.long()].view(n, groups, kp // groups) * scale.float()[..., None])
-    if offset is not None:
-        w = w + offset.float()[..., None]
-    w = w.view(n, kp)
-    return w[:, :in_features] if in_features is not None else w
-
-
-def decode_packed_fp4(packed: torch.Tensor, scale: torch.Tensor,
-                      offset: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed codes [n, Kp/2] uint8 + scales (+ offsets) [n, Kp/G] -> W [n, Kp] float32 (one
-    table gather per byte: the pair table)."""
-    n, half = packed.shape
-    pairs = F.embedding(packed.long(), FP4_PAIR_TABLE)            # [n, Kp/2, 2]
-    groups = scale.shape[1]
-    w = pairs.view(n, groups, -1) * scale.float()[..., None]
-    if offset is not None:
-        w += offset.float()[..., None]
-    return w.view(n, 2 * half)
 
 
 @dataclass
@@ -156,12 +65,29 @@ register_row_format("fp4acodes", ("fp4offsets",), _read_fp4("fp4acodes"))
 
 
 class FP4LinearMethod(LinearMethod):
+    """FP4 storage and forward. With ``act_aware`` a float weight shard waits (fp32, in
+    ``_pending``) until calibration has run the layer on its float weights and recorded mean
+    x^2 per input channel; ``finish`` then quantizes it with that channel weighting. Saved
+    FP4 rows load as they are, calibrated or not."""
+
     def __init__(self, group_size: int = 32, scale_search: int = 1, tile_rows: int = 1024,
-                 asymmetric: bool = False) -> None:
+                 asymmetric: bool = False, formats: str = "e2m1",
+                 act_aware: bool = False) -> None:
         self.group_size = check_fp4_group_size(group_size)
         self.scale_search = scale_search
         self.tile_rows = tile_rows
         self.asymmetric = asymmetric
+        self.formats = check_fp4_formats(formats)
+        self.act_aware = act_aware
+        self._pending: dict[int, torch.Tensor] = {}      # row offset -> float shard
+        self.recording = False
+        self._sq_sum: torch.Tensor | None = None
+        self._num_rows = 0
+
+    @property
+    def pending(self) -> bool:
+        """Float shards loaded, not quantized yet (awaiting calibration)."""
+        return bool(self._pending)
 
     def create_weights(self, layer, dtype, device):
         n, k = layer.output_size, layer.input_size
@@ -179,16 +105,31 @@ class FP4LinearMethod(LinearMethod):
         if layer.has_bias:
             layer.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
 
-    def to_rows(self, weight: torch.Tensor) -> FP4Rows:
+    def to_rows(self, weight: torch.Tensor, sq_mean: torch.Tensor | None = None) -> FP4Rows:
         codes, scale, offset = quantize_fp4(weight, self.group_size, self.scale_search,
-                                            self.asymmetric)
+                                            self.asymmetric, self.formats, sq_mean)
         return FP4Rows(codes, scale, weight.shape[1], offset)
 
     def load_weight(self, layer, kind, loaded, output_offset):
         rows = weight_shard_rows(layer, kind, loaded, output_offset)
         if rows is None:
             return
-        fp4 = loaded if isinstance(loaded, FP4Rows) else self.to_rows(loaded)
+        if self.act_aware and not isinstance(loaded, FP4Rows):
+            self._pending[output_offset] = loaded.detach().float().clone()
+            return
+        self._write_rows(layer, rows, loaded if isinstance(loaded, FP4Rows)
+                         else self.to_rows(loaded))
+
+    def finish(self, layer) -> None:
+        """Quantize the pending shards with the recorded input statistics (every channel
+        alike where calibration never reached the layer)."""
+        sq_mean = None if self._num_rows == 0 else self._sq_sum / self._num_rows
+        for offset, weight in sorted(self._pending.items()):
+            rows = slice(offset, offset + weight.shape[0])
+            self._write_rows(layer, rows, self.to_rows(weight, sq_mean))
+        self._pending, self._sq_sum, self._num_rows = {}, None, 0
+
+    def _write_rows(self, layer, rows: slice, fp4: FP4Rows) -> None:
         if fp4.group_size != self.group_size or (fp4.offset is not None) != self.asymmetric:
             raise ValueError(f"fp4 rows with group {fp4.group_size}, asymmetric "
                              f"{fp4.offset is not None} do not fit a layer quantized with group "
@@ -202,6 +143,17 @@ class FP4LinearMethod(LinearMethod):
         x2d = x.reshape(-1, layer.input_size).float()
         k = layer.input_size
         y = x2d.new_empty(x2d.shape[0], layer.output_size)
+        if self.pending:
+            if not self.recording:
+                raise RuntimeError("activation-aware fp4 layer used before calibration")
+            sq = x2d.pow(2).sum(dim=0)
+            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+            self._num_rows += x2d.shape[0]
+            for offset, weight in self._pending.items():     # the float layer while recording
+                y[:, offset:offset + weight.shape[0]] = x2d @ weight.t()
+            if layer.has_bias:
+                y += layer.bias.float()
+            return y.to(x.dtype).view(*x.shape[:-1], layer.output_size)
         for r0 in range(0, layer.output_size, self.tile_rows):
             r1 = min(r0 + self.tile_rows, layer.output_size)
             offsets = layer.fp4_offsets[r0:r1] if self.asymmetric else None
@@ -222,31 +174,61 @@ class FP4LinearMethod(LinearMethod):
 
 @register_quantization("fp4")
 class FP4Config(LoRCConfigMixin, QuantizationConfig):
-    """``group_size`` in 16/32/64/128 (default 32); ``scale_search``: scales tried per group
-    (default 1 = max|w| / 6 only); ``asymmetric``: 1 adds a bf16 offset per group (default 0);
-    ``lm_head``: "int8" (default, as int4), "int4" or "none"; ``lorc_rank``: LoRC low-rank
-    compensation (0 = off), ``lorc_act``: 1 weighs its factors by calibration activations."""
+    """``group_size`` in 16/32/64/128 (default 32); ``formats``: "e2m1" (default), "e1m2" or
+    "mixed" (each group's split of least error); ``scale_search``: scales tried per group
+    (default 1 = the range-based one only); ``asymmetric``: 1 adds a bf16 offset per group
+    (default 0); ``act_aware``: 1 weighs each input channel's error by its mean x^2 on the
+    calibration text (default 0); ``lm_head``: "int8" (default, as int4), "int4" or "none";
+    ``lorc_rank``: LoRC low-rank compensation (0 = off), ``lorc_act``: 1 weighs its factors
+    by calibration activations."""
 
     def __init__(self, group_size: int = 32, scale_search: int = 1, asymmetric: int = 0,
-                 lm_head: str = "int8", lorc_rank: int = 0, lorc_act: int = 0) -> None:
+                 lm_head: str = "int8", lorc_rank: int = 0, lorc_act: int = 0,
+                 formats: str = "e2m1", act_aware: int = 0) -> None:
         self.group_size = check_fp4_group_size(group_size)
-        if asymmetric not in (0, 1, True, False):
-            raise ValueError(f"fp4 asymmetric must be 0 or 1, got {asymmetric!r}")
-        self.asymmetric = bool(asymmetric)
+        self.formats = check_fp4_formats(formats)
+        for name, value in (("asymmetric", asymmetric), ("act_aware", act_aware)):
+            if value not in (0, 1, True, False):
+                raise ValueError(f"fp4 {name} must be 0 or 1, got {value!r}")
+        self.asymmetric, self.act_aware = bool(asymmetric), bool(act_aware)
         if isinstance(scale_search, bool) or not isinstance(scale_search, int) or scale_search < 1:
             raise ValueError(f"fp4 scale_search must be an integer >= 1, got {scale_search!r}")
         self.scale_search = scale_search
         lm_head_method(lm_head, "lm_head")
         self.lm_head = lm_head
         self.init_lorc(lorc_rank, lorc_act)
+        if self.act_aware and self.lorc_rank:
+            # LoRC factors the error of codes chosen at load; these codes wait for calibration
+            raise ValueError(f"fp4 act_aware=1 cannot be combined with lorc_rank="
+                             f"{self.lorc_rank}")
+        self.needs_calibration = self.needs_calibration or self.act_aware
+        self.fp4_methods: dict[str, FP4LinearMethod] = {}
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
         if is_lm_head(prefix):
             return self.lorc(lm_head_method(self.lm_head, prefix), prefix)
-        return self.lorc(FP4LinearMethod(self.group_size, self.scale_search,
-                                         asymmetric=self.asymmetric), prefix)
+        method = FP4LinearMethod(self.group_size, self.scale_search, asymmetric=self.asymmetric,
+                                 formats=self.formats, act_aware=self.act_aware)
+        if self.act_aware:
+            self.fp4_methods[prefix] = method
+        return self.lorc(method, prefix)
+
+    def calibrate(self, model, batches) -> None:
+        if not self.act_aware:
+            return super().calibrate(model, batches)          # LoRC's, when lorc_act
+        from kvforge.layers.linear import Linear
+        from kvforge.quant.calibration import calibrate_recording_layers
+        calibrate_recording_layers(model, batches, [
+            m for m in model.modules()
+            if isinstance(m, Linear) and isinstance(m.method, FP4LinearMethod)
+            and m.method.pending])
+
+    def pending_layers(self) -> list[str]:
+        return super().pending_layers() + [p for p, m in self.fp4_methods.items() if m.pending]
 
     def describe(self) -> dict:
-        return {"group_size": self.group_size, "scale_search": self.scale_search,
-                "asymmetric": int(self.asymmetric),
+        extra = {"act_aware": 1} if self.act_aware else {}
+        return {"group_size": self.group_size, "formats": self.formats,
+                "scale_search": self.scale_search,
+                "asymmetric": int(self.asymmetric), **extra,
                 "lm_head": self.lm_head, **self.lorc_args()}

@@ -274,21 +274,11 @@ class LoRCConfigMixin:
 
     def calibrate(self, model, batches) -> None:
         from kvforge.layers.linear import Linear
-        from kvforge.quant.calibration import run_calibration_forward
-        layers = [m for m in model.modules()
-                  if isinstance(m, Linear) and isinstance(m.method, LoRCLinearMethod)
-                  and m.method.pending]
-        if not layers:
-            return
-        for layer in layers:
-            layer.method.recording = True
-        try:
-            run_calibration_forward(model, batches)
-        finally:
-            for layer in layers:
-                layer.method.recording = False
-        for layer in layers:
-            layer.method.finish(layer)
+        from kvforge.quant.calibration import calibrate_recording_layers
+        calibrate_recording_layers(model, batches, [
+            m for m in model.modules()
+            if isinstance(m, Linear) and isinstance(m.method, LoRCLinearMethod)
+            and m.method.pending])
 
     def pending_layers(self) -> list[str]:
         return [p for p, m in self.lorc_methods.items() if m.pending]

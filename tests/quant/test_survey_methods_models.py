@@ -22,6 +22,8 @@ METHODS = {
     "zeroquant": ({"group_size": 32}, 0.03),
     "zeroquant-lkd": ({"group_size": 32, "lkd_steps": 3, "lkd_samples": 64}, 0.03),
     "fp4": ({"group_size": 32, "asymmetric": 1}, 0.3),
+    "fp4-act": ({"group_size": 32, "asymmetric": 1, "formats": "mixed", "scale_search": 4,
+                 "act_aware": 1}, 0.3),
     "spqr": ({"bits": 3, "group_size": 16, "outlier_fraction": 0.01}, 0.4),
     "int4-lorc": ({"group_size": 32, "lorc_rank": 4, "lorc_act": 1}, 0.25),
     "zeroquant-lorc": ({"group_size": 0, "lorc_rank": 4}, 0.03),
@@ -52,6 +54,7 @@ def _no_requantization(monkeypatch):
         raise AssertionError("a saved model was quantized again")
     monkeypatch.setattr(CalibratedQuantConfig, "calibrate", refuse)
     monkeypatch.setattr(LoRCConfigMixin, "calibrate", refuse)
+    monkeypatch.setattr("kvforge.quant.calibration.calibrate_recording_layers", refuse)
     monkeypatch.setattr("kvforge.quant.lowrank.low_rank_factors", refuse)
 
 

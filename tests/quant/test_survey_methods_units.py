@@ -8,7 +8,9 @@ import torch
 
 from kvforge.quant.base import get_quantization_config
 from kvforge.quant.bitpack import pack_bits, unpack_bits
-from kvforge.quant.fp4 import FP4_TABLE, FP4LinearMethod, quantize_fp4
+from kvforge.quant.fp4 import FP4LinearMethod
+from kvforge.quant.fp4_format import (FP4_TABLE, FP4_TABLES, dequantize_fp4, fp4_codes,
+                                      quantize_fp4)
 from kvforge.quant.int4 import Int4LinearMethod
 from kvforge.quant.lkd import distil_weight
 from kvforge.quant.lowrank import LoRCLinearMethod
@@ -53,11 +55,89 @@ def test_fp4_layer_matches_its_dequantized_weight():
     assert searched < rel_err(FP4LinearMethod(32, 1).to_rows(w).dequantize(), w)
 
 
+def test_fp4_e1m2_split_is_a_uniform_grid_and_codes_are_nearest():
+    assert FP4_TABLES[1, :8].tolist() == [0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75]
+    assert torch.equal(FP4_TABLES[1, 8:], -FP4_TABLES[1, :8])
+    x = torch.tensor([0.1, 0.2, -0.4, 0.9, 1.3, 1.9, -3.0])
+    expected = torch.tensor([0, 0.25, -0.5, 1.0, 1.25, 1.75, -1.75])
+    assert torch.equal(FP4_TABLES[1][fp4_codes(x, 1).long()], expected)
+
+
+def test_fp4_e1m2_groups_carry_a_uniform_asymmetric_grid_exactly():
+    """Weights on a 15-level uniform grid off zero (as a Q4 GGUF file's are, up to one end
+    level) come back exactly from E1M2 with an offset; E2M1 cannot hold them."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 15, (16, 4, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 14                                  # both ends in every group
+    step = 2.0 ** -torch.randint(6, 9, (16, 4, 1), generator=g).float()
+    low = -step * torch.randint(3, 11, (16, 4, 1), generator=g).float()
+    w = (low + step * q).view(16, 128)
+    codes, scale, offset = quantize_fp4(w, 32, scale_search=16, asymmetric=True,
+                                        formats="mixed")
+    assert torch.signbit(scale).all()                             # every group chose E1M2
+    assert rel_err(dequantize_fp4(codes, scale, 128, offset), w) < 1e-6
+    codes, scale, offset = quantize_fp4(w, 32, scale_search=16, asymmetric=True)
+    assert not torch.signbit(scale).any()
+    assert rel_err(dequantize_fp4(codes, scale, 128, offset), w) > 0.02
+
+
 @pytest.mark.parametrize("asymmetric", [False, True])
-def test_fp4_rows_save_and_read_back(asymmetric):
+def test_fp4_mixed_splits_err_no_more_than_either_split_per_group(asymmetric):
+    w = torch.cat([random_weight(24, 256), torch.rand(24, 256) * 0.1 - 0.05])   # bell + flat
+    errs = {}
+    for formats in ("e2m1", "e1m2", "mixed"):
+        codes, scale, offset = quantize_fp4(w, 32, 8, asymmetric, formats)
+        deq = dequantize_fp4(codes, scale, 256, offset)
+        errs[formats] = (deq - w).pow(2).view(48, 8, 32).sum(-1)
+        if formats == "mixed":
+            split = torch.signbit(scale)
+    assert (errs["mixed"] <= torch.minimum(errs["e2m1"], errs["e1m2"]) * (1 + 1e-6)).all()
+    assert 0 < split.float().mean() < 1                           # both splits in use
+    method = FP4LinearMethod(32, 8, tile_rows=20, asymmetric=asymmetric, formats="mixed")
+    layer = make_linear(w, method, bias=None)
+    x = torch.randn(5, 256)
+    assert torch.allclose(layer(x), x @ method.dequantize(layer).t(), atol=1e-5)
+
+
+def test_fp4_act_aware_codes_cut_the_output_error_on_loud_channels():
+    g = torch.Generator().manual_seed(5)
+    w = random_weight(64, 256)
+    loud = torch.ones(256)
+    loud[torch.randperm(256, generator=g)[:12]] = 30.0             # a few loud input channels
+    x = torch.randn(512, 256, generator=g) * loud
+    sq_mean = x.pow(2).mean(dim=0)
+
+    def output_err(sq):
+        codes, scale, offset = quantize_fp4(w, 32, 8, True, "mixed", sq)
+        return float(((dequantize_fp4(codes, scale, 256, offset) - w) @ x.t()).norm())
+
+    assert output_err(sq_mean) < 0.8 * output_err(None)
+
+
+def test_fp4_act_aware_layer_waits_for_calibration_then_quantizes_with_its_statistics():
+    w, x = random_weight(48, 96), torch.randn(20, 96) * torch.linspace(0.2, 5.0, 96)
+    method = FP4LinearMethod(32, 4, asymmetric=True, formats="mixed", act_aware=True)
+    layer = make_linear(w, method, bias=None)
+    assert method.pending
+    with pytest.raises(RuntimeError, match="used before calibration"):
+        layer(x)
+    method.recording = True
+    assert torch.allclose(layer(x), x @ w.t(), atol=1e-5)         # the float layer meanwhile
+    method.recording = False
+    method.finish(layer)
+    assert not method.pending
+    expected = FP4LinearMethod(32, 4, asymmetric=True, formats="mixed").to_rows(
+        w, x.pow(2).mean(dim=0))
+    assert torch.equal(method.dequantize(layer), expected.dequantize())
+    assert torch.allclose(layer(x), x @ expected.dequantize().t(), atol=1e-4)
+
+
+@pytest.mark.parametrize("asymmetric,formats", [(False, "e2m1"), (True, "e2m1"),
+                                                (True, "mixed")])
+def test_fp4_rows_save_and_read_back(asymmetric, formats):
     from kvforge.quant.row_formats import read_registered_rows
     w = random_weight(6, 40) + (0.1 if asymmetric else 0.0)       # groups off zero
-    rows = FP4LinearMethod(16, asymmetric=asymmetric).to_rows(w)
+    rows = FP4LinearMethod(16, 4, asymmetric=asymmetric, formats=formats).to_rows(w)
     saved = rows.saved_tensors("m.q_proj", slice(2, 5))
     marker = next(k for k in saved if k.endswith("codes")).rpartition(".")[2]
     back = read_registered_rows(marker, saved.__getitem__, "m.q_proj")
@@ -210,6 +290,9 @@ def test_spqr_model_layers_report_configured_outliers_and_average_bits(tiny_mode
     ("zeroquant", {"act_groups": 2}, "act_groups must be 0 or 1, got 2"),
     ("fp4", {"group_size": 24}, "fp4 group_size must be one of .* got 24"),
     ("fp4", {"scale_search": 0}, "scale_search must be an integer >= 1, got 0"),
+    ("fp4", {"formats": "e3m0"}, "fp4 formats must be one of .* got 'e3m0'"),
+    ("fp4", {"act_aware": 2}, "fp4 act_aware must be 0 or 1, got 2"),
+    ("fp4", {"act_aware": 1, "lorc_rank": 8}, "act_aware=1 cannot be combined with lorc_rank=8"),
     ("spqr", {"bits": 5}, "spqr bits must be 2, 3 or 4, got 5"),
     ("spqr", {"outlier_fraction": 0.5}, r"outlier_fraction must be in \[0, 0.1\), got 0.5"),
     ("spqr", {"stat_group": 0}, "stat_group must be an integer >= 1, got 0"),
