@@ -72,6 +72,29 @@ def run_calibration_forward(model, batches: Iterable[Sequence[int]], block_size:
     return num_tokens
 
 
+class InputSquares:
+    """Mean x^2 per input channel of a layer's inputs, summed while ``recording`` is set (the
+    statistics of LoRC's ``lorc_act`` and fp4's ``act_aware``)."""
+
+    def init_squares(self) -> None:
+        self.recording = False
+        self._sq_sum: torch.Tensor | None = None
+        self._num_rows = 0
+
+    def record_squares(self, x2d: torch.Tensor, what: str) -> None:
+        if not self.recording:
+            raise RuntimeError(f"activation-aware {what} layer used before calibration")
+        sq = x2d.float().pow(2).sum(dim=0)
+        self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+        self._num_rows += x2d.shape[0]
+
+    def take_sq_mean(self) -> torch.Tensor | None:
+        """The mean so far (None if nothing was recorded), and a fresh start."""
+        mean = None if self._num_rows == 0 else self._sq_sum / self._num_rows
+        self._sq_sum, self._num_rows = None, 0
+        return mean
+
+
 def calibrate_recording_layers(model, batches: Iterable[Sequence[int]], layers: list) -> None:
     """Run ``batches`` through ``model`` with each of ``layers``' methods recording its inputs
     (``method.recording``), then ``method.finish(layer)`` each: the flow of the methods that

@@ -22,6 +22,7 @@ from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
 from kvforge.quant.base import (QuantizationConfig, is_lm_head, register_quantization,
                                 weight_shard_rows)
+from kvforge.quant.calibration import InputSquares
 from kvforge.quant.fp4_format import (check_fp4_formats, check_fp4_group_size,
                                       decode_packed_fp4, dequantize_fp4, quantize_fp4)
 from kvforge.quant.int8 import lm_head_method
@@ -64,7 +65,7 @@ register_row_format("fp4codes", ("fp4scales", "fp4_in_features"), _read_fp4("fp4
 register_row_format("fp4acodes", ("fp4offsets",), _read_fp4("fp4acodes"))
 
 
-class FP4LinearMethod(LinearMethod):
+class FP4LinearMethod(InputSquares, LinearMethod):
     """FP4 storage and forward. With ``act_aware`` a float weight shard waits (fp32, in
     ``_pending``) until calibration has run the layer on its float weights and recorded mean
     x^2 per input channel; ``finish`` then quantizes it with that channel weighting. Saved
@@ -80,9 +81,7 @@ class FP4LinearMethod(LinearMethod):
         self.formats = check_fp4_formats(formats)
         self.act_aware = act_aware
         self._pending: dict[int, torch.Tensor] = {}      # row offset -> float shard
-        self.recording = False
-        self._sq_sum: torch.Tensor | None = None
-        self._num_rows = 0
+        self.init_squares()
 
     @property
     def pending(self) -> bool:
@@ -123,11 +122,11 @@ class FP4LinearMethod(LinearMethod):
     def finish(self, layer) -> None:
         """Quantize the pending shards with the recorded input statistics (every channel
         alike where calibration never reached the layer)."""
-        sq_mean = None if self._num_rows == 0 else self._sq_sum / self._num_rows
+        sq_mean = self.take_sq_mean()
         for offset, weight in sorted(self._pending.items()):
             rows = slice(offset, offset + weight.shape[0])
             self._write_rows(layer, rows, self.to_rows(weight, sq_mean))
-        self._pending, self._sq_sum, self._num_rows = {}, None, 0
+        self._pending = {}
 
     def _write_rows(self, layer, rows: slice, fp4: FP4Rows) -> None:
         if fp4.group_size != self.group_size or (fp4.offset is not None) != self.asymmetric:
@@ -144,11 +143,7 @@ class FP4LinearMethod(LinearMethod):
         k = layer.input_size
         y = x2d.new_empty(x2d.shape[0], layer.output_size)
         if self.pending:
-            if not self.recording:
-                raise RuntimeError("activation-aware fp4 layer used before calibration")
-            sq = x2d.pow(2).sum(dim=0)
-            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
-            self._num_rows += x2d.shape[0]
+            self.record_squares(x2d, "fp4")
             for offset, weight in self._pending.items():     # the float layer while recording
                 y[:, offset:offset + weight.shape[0]] = x2d @ weight.t()
             if layer.has_bias:

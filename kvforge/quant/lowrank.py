@@ -33,6 +33,7 @@ from torch import nn
 
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
+from kvforge.quant.calibration import InputSquares
 
 
 def check_lorc_rank(rank: Any) -> int:
@@ -121,7 +122,7 @@ def activation_weighted_factors(error: torch.Tensor, sq_mean: torch.Tensor, rank
     return u, (v / d).contiguous()
 
 
-class LoRCLinearMethod(LinearMethod):
+class LoRCLinearMethod(InputSquares, LinearMethod):
     """Wraps a weight-only/W8A8 method: its storage and kernel, plus ``lorc_u`` [n, S r] and
     ``lorc_v`` [S r, K] (S shards) created with the first weight shard. With ``act_aware`` the
     factors are computed by ``finish`` after calibration (``calibrate_lorc``)."""
@@ -132,9 +133,7 @@ class LoRCLinearMethod(LinearMethod):
         self.inner, self.rank, self.act_aware = inner, rank, act_aware
         self._factored: set[int] = set()
         self._errors: dict[int, tuple[int, torch.Tensor]] = {}    # shard -> (offset, W - Q(W))
-        self.recording = False
-        self._sq_sum: torch.Tensor | None = None
-        self._num_rows = 0
+        self.init_squares()
 
     @property
     def pending(self) -> bool:
@@ -200,27 +199,22 @@ class LoRCLinearMethod(LinearMethod):
         """Activation-aware factors from the recorded input statistics. A layer calibration
         does not reach (the LM head: calibration runs the decoder, never the logits) weighs
         every channel alike, i.e. gets the plain SVD."""
-        if self._num_rows == 0:
+        sq_mean = self.take_sq_mean()
+        if sq_mean is None:
             sq_mean = torch.ones(layer.input_size)
-        else:
-            sq_mean = self._sq_sum / self._num_rows
         for s, (offset, error) in sorted(self._errors.items()):
             u, v = _padded(*activation_weighted_factors(error, sq_mean, self.rank), self.rank)
             cols = slice(s * self.rank, (s + 1) * self.rank)
             layer.lorc_u[offset:offset + error.shape[0], cols] = u
             layer.lorc_v[cols] = v
             self._factored.add(s)
-        self._errors, self._sq_sum, self._num_rows = {}, None, 0
+        self._errors = {}
 
     def apply(self, layer, x):
         y = self.inner.apply(layer, x)
         x2d = x.reshape(-1, layer.input_size).float()
         if self.pending:
-            if not self.recording:
-                raise RuntimeError("activation-aware LoRC layer used before calibration")
-            sq = x2d.pow(2).sum(dim=0)
-            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
-            self._num_rows += x2d.shape[0]
+            self.record_squares(x2d, "LoRC")
             return y                                 # Q(W) x while calibrating
         correction = (x2d @ layer.lorc_v.t()) @ layer.lorc_u.t()
         return y + correction.to(y.dtype).view(y.shape)
