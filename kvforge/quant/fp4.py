@@ -146,14 +146,12 @@ class FP4LinearMethod(InputSquares, LinearMethod):
             self.record_squares(x2d, "fp4")
             for offset, weight in self._pending.items():     # the float layer while recording
                 y[:, offset:offset + weight.shape[0]] = x2d @ weight.t()
-            if layer.has_bias:
-                y += layer.bias.float()
-            return y.to(x.dtype).view(*x.shape[:-1], layer.output_size)
-        for r0 in range(0, layer.output_size, self.tile_rows):
-            r1 = min(r0 + self.tile_rows, layer.output_size)
-            offsets = layer.fp4_offsets[r0:r1] if self.asymmetric else None
-            w = decode_packed_fp4(layer.fp4_packed[r0:r1], layer.fp4_scales[r0:r1], offsets)
-            y[:, r0:r1] = x2d @ w[:, :k].t()
+        else:
+            for r0 in range(0, layer.output_size, self.tile_rows):
+                r1 = min(r0 + self.tile_rows, layer.output_size)
+                offsets = layer.fp4_offsets[r0:r1] if self.asymmetric else None
+                w = decode_packed_fp4(layer.fp4_packed[r0:r1], layer.fp4_scales[r0:r1], offsets)
+                y[:, r0:r1] = x2d @ w[:, :k].t()
         if layer.has_bias:
             y += layer.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], layer.output_size)

@@ -125,7 +125,7 @@ def activation_weighted_factors(error: torch.Tensor, sq_mean: torch.Tensor, rank
 class LoRCLinearMethod(InputSquares, LinearMethod):
     """Wraps a weight-only/W8A8 method: its storage and kernel, plus ``lorc_u`` [n, S r] and
     ``lorc_v`` [S r, K] (S shards) created with the first weight shard. With ``act_aware`` the
-    factors are computed by ``finish`` after calibration (``calibrate_lorc``)."""
+    factors are computed by ``finish`` after calibration (``LoRCConfigMixin.calibrate``)."""
 
     def __init__(self, inner: LinearMethod, rank: int, act_aware: bool = False) -> None:
         if check_lorc_rank(rank) == 0:
