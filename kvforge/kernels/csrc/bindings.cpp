@@ -15,6 +15,7 @@
 #include "linear_plan.cpp"
 #include "quest.cpp"
 #include "sparse_gemv.cpp"
+#include "w8a8_gemm.cpp"
 #include "decode_stack.cpp"   // last: its projections run the kernels above
 
 // Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.
@@ -54,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gguf_dot_rows_max") = kvforge::kGgufDotRowsMax;   // integer dots up to here
   kvforge::bind_gguf_weight(m);
   kvforge::bind_sparse_gemv(m);
+  kvforge::bind_w8a8_gemm(m);
   kvforge::bind_decode_stack(m);
   kvforge::bind_linear_plan(m);
 }
