@@ -261,7 +261,12 @@ def pack_w8a8_panels(codes: torch.Tensor, scales: torch.Tensor
     """int8 ``codes`` [N, Kp] and ``scales`` [N, Kp / G] (one per output row and group of G
     inputs) in the W8A8 kernel's panels of 8 output columns (csrc/w8a8_gemm.cpp; rows past N
     zero): codes [panels, Kp / 4, 8, 4] (k step t of column c: 4 bytes), scales and
-    code_sums (128 x each group's codes summed, VNNI's offset) [panels, Kp / G, 8]."""
+    code_sums (128 x each group's codes summed, VNNI's offset) [panels, Kp / G, 8]:
+
+        codes[8p + c, 4t : 4t + 4]  ->  panel_codes[p, t, c, :]   (one 32-byte vector per
+                                                                   k step t: 8 columns x 4)
+        scales[8p + c, g]           ->  panel_scales[p, g, c]     (8 columns' scales of group g)
+    """
     n, kp = codes.shape
     groups = scales.shape[1]
     panels = -(-n // 8)

@@ -54,6 +54,7 @@ def exact_reference(x, codes, scales, width, act_groups):
     (5, 130, 17, 64),       # K padded to whole groups; a last panel of one column
     (13, 256, 64, 128),     # several row tiles with a remainder
     (7, 84, 24, 0),         # one group spanning a row of 84 (a multiple of 4, not of 32)
+    (70, 8192, 16, 256),    # 32 groups of 256, 23 row tiles of 3 (AVX2) and a rest
 ])
 def test_w8a8_projection_matches_exact_integer_sums(compiled, rows, in_features, out_features,
                                                      group, act_groups):

@@ -211,45 +211,15 @@ class W8A8Projection {
 
   void multiply(const int8_t* codes, const float* steps, int64_t rows, int64_t dot,
                 float* y) const {
-    const int8_t* w_codes = codes_.data_ptr<int8_t>();
-    const float* w_scales = scales_.data_ptr<float>();
-    const int32_t* w_sums = code_sums_.data_ptr<int32_t>();
 #if defined(__AVX2__)
-    constexpr int R = kW8A8Rows, P = kW8A8Panels;
-    const int64_t units = (panels_ + P - 1) / P;
-    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-      float tile_out[R * P * 8];
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t p0 = u * P, np = std::min<int64_t>(P, panels_ - p0);
-        for (int64_t r0 = 0; r0 < rows; r0 += R) {
-          const int64_t nr = std::min<int64_t>(R, rows - r0);
-          W8A8TileArgs a{codes + r0 * kp_, kp_, steps + r0 * groups_,
-                               w_codes + p0 * kp_ * 8, w_scales + p0 * groups_ * 8,
-                               w_sums + p0 * groups_ * 8, groups_, group_ / 4,
-                               tile_out, P * 8};
-          for (int64_t p = 0; p < np; ++p) {
-            // full tiles of P panels; the last unit's remainder one panel at a time
-            if (np == P) {
-              run_tile<R, P>(dot, nr, a);
-              break;
-            }
-            W8A8TileArgs one = a;
-            one.w_codes += p * kp_ * 8;
-            one.w_scales += p * groups_ * 8;
-            one.code_sums += p * groups_ * 8;
-            one.out += 8 * p;
-            run_tile<R, 1>(dot, nr, one);
-          }
-          for (int64_t r = 0; r < nr; ++r) {
-            float* out = y + (r0 + r) * n_;
-            for (int64_t c = 8 * p0; c < std::min(8 * (p0 + np), n_); ++c)
-              out[c] = tile_out[r * P * 8 + c - 8 * p0] + (bias_.empty() ? 0.f : bias_[c]);
-          }
-        }
-      }
-    });
+    // All rows in one pass: each unit of panels streams every row's codes (a 512-row chunk of
+    // an 8960-wide input: 4.6 MB). Passes of L2-sized row blocks timed the same on the Xeon
+    // (1536 x 8960 at 512 rows: 27.2 ms either way, fp32 46.5), whose L3 holds the codes.
+    multiply_rows(codes, steps, 0, rows, dot, y);
 #else
     // portable: the same int32 sums, scalar
+    const int8_t* w_codes = codes_.data_ptr<int8_t>();
+    const float* w_scales = scales_.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < n_; ++c) {
         const int64_t p = c / 8, cc = c % 8;
@@ -267,6 +237,47 @@ class W8A8Projection {
     (void)dot;
 #endif
   }
+
+#if defined(__AVX2__)
+  // rows [m0, m1) of y: the threads share units of P panels, each unit times every row
+  void multiply_rows(const int8_t* codes, const float* steps, int64_t m0, int64_t m1,
+                     int64_t dot, float* y) const {
+    constexpr int R = kW8A8Rows, P = kW8A8Panels;
+    const int8_t* w_codes = codes_.data_ptr<int8_t>();
+    const float* w_scales = scales_.data_ptr<float>();
+    const int32_t* w_sums = code_sums_.data_ptr<int32_t>();
+    const int64_t units = (panels_ + P - 1) / P;
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      float tile_out[R * P * 8];
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t p0 = u * P, np = std::min<int64_t>(P, panels_ - p0);
+        for (int64_t r0 = m0; r0 < m1; r0 += R) {
+          const int64_t nr = std::min<int64_t>(R, m1 - r0);
+          const W8A8TileArgs a{codes + r0 * kp_, kp_, steps + r0 * groups_,
+                               w_codes + p0 * kp_ * 8, w_scales + p0 * groups_ * 8,
+                               w_sums + p0 * groups_ * 8, groups_, group_ / 4, tile_out, P * 8};
+          if (np == P) {
+            run_tile<R, P>(dot, nr, a);
+          } else {            // the last unit's remaining panels, one at a time
+            for (int64_t p = 0; p < np; ++p) {
+              W8A8TileArgs one = a;
+              one.w_codes += p * kp_ * 8;
+              one.w_scales += p * groups_ * 8;
+              one.code_sums += p * groups_ * 8;
+              one.out += 8 * p;
+              run_tile<R, 1>(dot, nr, one);
+            }
+          }
+          for (int64_t r = 0; r < nr; ++r) {
+            float* out = y + (r0 + r) * n_;
+            for (int64_t c = 8 * p0; c < std::min(8 * (p0 + np), n_); ++c)
+              out[c] = tile_out[r * P * 8 + c - 8 * p0] + (bias_.empty() ? 0.f : bias_[c]);
+          }
+        }
+      }
+    });
+  }
+#endif
 
 #if defined(__AVX2__)
   template <int R, int P>
