@@ -6,24 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvforge.kernels as kernels
 from kvforge.kernels import ops
 from kvforge.quant.zeroquant import ZeroQuantLinearMethod, quantize_int8_groups
-from tests.kernels.test_cpu_kernels import ISA_PARAMS, needs_kernels
+from tests.kernels.test_cpu_kernels import compiled, needs_kernels  # noqa: F401 (fixture)
 from tests.quant.factories import make_linear, outlier_activations, random_weight
 
 pytestmark = needs_kernels
 
 DOTS = list(ops.INT8_DOTS.items())
-
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def compiled(request):
-    module = kernels.cpu_kernels(request.param)
-    assert module is not None, f"g++ is present but the {request.param} kernels failed to build"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "_module", module)
-        yield module
 
 
 def dots_of(module):
