@@ -230,16 +230,26 @@ INT8_DOT_ENV = "KVFORGE_INT8_DOT"
 INT8_DOTS = {"maddubs": 0, "avxvnni": 1, "avx512vnni": 2}
 
 
+def int8_dot_setting() -> str:
+    """``KVFORGE_INT8_DOT`` checked: auto, vnni or a name of ``INT8_DOTS`` (ValueError naming
+    the value otherwise). Read where a W8A8 model is configured, so a typo fails there."""
+    wanted = os.environ.get(INT8_DOT_ENV, "auto").strip().lower() or "auto"
+    if wanted not in ("auto", "vnni", *INT8_DOTS):
+        raise ValueError(f"{INT8_DOT_ENV}={wanted!r} is not one of auto, vnni, "
+                         f"{', '.join(INT8_DOTS)}")
+    return wanted
+
+
 def int8_dot() -> int | None:
     """The int8 dot instruction the W8A8 kernel (csrc/w8a8_gemm.cpp) uses, or None without
     compiled kernels. ``KVFORGE_INT8_DOT``: ``auto`` (default: VNNI's vpdpbusd where this CPU
     has it, 1 instruction per 32 products, else AVX2's maddubs sign trick, 4), ``vnni`` (either
     VNNI, an error without one), or one by name: ``maddubs`` (every AVX2 CPU: what the tests
     run everywhere), ``avxvnni``, ``avx512vnni``."""
+    wanted = int8_dot_setting()
     ops = cpu_kernels()
     if ops is None:
         return None
-    wanted = os.environ.get(INT8_DOT_ENV, "auto").strip().lower() or "auto"
     vnni = [INT8_DOTS[name] for name in ("avxvnni", "avx512vnni")
             if ops.w8a8_dot_supported(INT8_DOTS[name])]
     if wanted == "auto":
@@ -248,9 +258,6 @@ def int8_dot() -> int | None:
         if not vnni:
             raise RuntimeError(f"{INT8_DOT_ENV}=vnni: this CPU (or kernel build) has no VNNI")
         return vnni[0]
-    if wanted not in INT8_DOTS:
-        raise ValueError(f"{INT8_DOT_ENV}={wanted!r} is not one of auto, vnni, "
-                         f"{', '.join(INT8_DOTS)}")
     if not ops.w8a8_dot_supported(INT8_DOTS[wanted]):
         raise RuntimeError(f"{INT8_DOT_ENV}={wanted}: this CPU (or kernel build) lacks it")
     return INT8_DOTS[wanted]

@@ -304,6 +304,7 @@ class ZeroQuantConfig(LoRCConfigMixin, CalibratedQuantConfig):
             raise ValueError(f"zeroquant lorc_rank={lorc_rank} cannot be combined with "
                              f"lkd_steps={lkd_steps} (LoRC factors the float weight's error at "
                              f"load; LKD chooses the codes later)")
+        ops.int8_dot_setting()               # a bad KVFORGE_INT8_DOT fails here, not mid-step
         self.group_size, self.act_groups = group_size, bool(act_groups)
         self.lkd_steps, self.lkd_samples, self.lkd_lr = lkd_steps, lkd_samples, float(lkd_lr)
         self.needs_calibration = lkd_steps > 0 or self.lorc_act

@@ -130,6 +130,15 @@ def test_int8_dot_choice_follows_the_environment(compiled, monkeypatch):
         ops.int8_dot()
 
 
+def test_a_bad_int8_dot_setting_fails_when_the_model_is_configured(monkeypatch,
+                                                                   tiny_model_factory):
+    from kvforge import LLM
+    hf_dir, _ = tiny_model_factory("llama")
+    monkeypatch.setenv(ops.INT8_DOT_ENV, "vnni2")
+    with pytest.raises(ValueError, match="KVFORGE_INT8_DOT='vnni2' is not one of"):
+        LLM(hf_dir, quantization="zeroquant", kv_cache_memory="8MiB")
+
+
 def test_zeroquant_layer_moves_to_panels_and_back(compiled):
     """A CPU forward moves the codes to the kernel's panels (one copy), a reload moves them back;
     the outputs match the PyTorch path, and a group width the kernel cannot take stays there."""
