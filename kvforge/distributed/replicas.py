@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 import httpx
 
-from kvforge.server.background import free_port
+from kvforge.server.background import free_port, serve_in_thread
 
 # the server options a replica takes from ``kvforge serve`` (host and port are its own)
 REPLICA_SERVER_OPTIONS = ("api_key", "served_model_name", "max_waiting_requests", "max_n",
@@ -96,13 +95,15 @@ def _ray_replica_class(ray):
         def start(self, engine_kwargs: dict[str, Any], options: dict[str, Any]) -> str:
             from kvforge.server.serve import build_server
             host = ray.util.get_node_ip_address()
-            port = free_port()
+            port = free_port(host)
             server, self.engine = build_server(engine_kwargs, argparse.Namespace(
                 **{**options, "host": host, "port": port}))
             self.server = server
-            threading.Thread(target=server.run, name="kvforge-http", daemon=True).start()
-            while not server.started:
-                time.sleep(0.05)
+            try:       # a port taken since free_port by another process: an error, not a hang
+                serve_in_thread(server)
+            except RuntimeError:
+                self.engine.shutdown()
+                raise
             return f"http://{host}:{port}"
 
         def pid(self) -> int:

@@ -13,10 +13,28 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the interface the server will bind: a port free on the
+    loopback can be taken on another address)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def serve_in_thread(server, start_timeout: float = 120.0) -> threading.Thread:
+    """Run a ``uvicorn.Server`` in a daemon thread and return once it listens. RuntimeError when
+    its thread ends first (uvicorn ends it when the bind fails: a port taken by another
+    process) or it is not listening within ``start_timeout`` seconds: the caller gets an error,
+    never an endless wait."""
+    thread = threading.Thread(target=server.run, name="kvforge-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on "
+                               f"{server.config.host}:{server.config.port}")
+        time.sleep(0.05)
+    return thread
 
 
 class BackgroundServer:
@@ -42,14 +60,11 @@ class BackgroundServer:
         self.server = uvicorn.Server(uvicorn.Config(
             create_app(self.engine, self.config, metrics), host="127.0.0.1", port=self.port,
             log_level=log_level, timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="kvforge-http", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                self.engine.shutdown()
-                raise RuntimeError(f"the server did not start on {self.url}")
-            time.sleep(0.05)
+        try:
+            self.thread = serve_in_thread(self.server, start_timeout)
+        except RuntimeError:
+            self.engine.shutdown()
+            raise
 
     def in_engine(self, fn: Callable[..., T]) -> T:
         """Run ``fn(llm_engine)`` on the engine thread (between steps) and return its result."""

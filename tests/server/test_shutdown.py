@@ -52,3 +52,26 @@ def test_sigterm_finishes_in_flight_stream_then_exits_cleanly(tiny_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# uvicorn's SystemExit in the server thread is the failure being tested
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_server_whose_port_is_taken_fails_to_start_instead_of_waiting():
+    """uvicorn ends its thread when the bind fails (another process took the port after
+    free_port): serve_in_thread raises at once, where a wait for ``started`` hung forever."""
+    import socket
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from kvforge.server.background import free_port, serve_in_thread
+    with socket.socket() as taken:
+        port = free_port()
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        server = uvicorn.Server(uvicorn.Config(FastAPI(), host="127.0.0.1", port=port,
+                                               log_level="critical"))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"did not start on 127.0.0.1:{port}"):
+            serve_in_thread(server, start_timeout=60.0)
+        assert time.monotonic() - start < 30.0
