@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import threading
-import time
 
 import httpx
 import openai
@@ -15,7 +13,7 @@ import uvicorn
 
 from kvforge.distributed.dp_server import REPLICA_HEADER, create_router_app
 from kvforge.distributed.replicas import ProcessReplicas, RayReplicas
-from kvforge.server.background import BackgroundServer, free_port
+from kvforge.server.background import BackgroundServer, free_port, serve_in_thread
 
 ENGINE = dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, max_num_seqs=16,
               num_threads=1)
@@ -31,10 +29,7 @@ class RouterThread:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(create_router_app(urls), host="127.0.0.1",
                                                     port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
+        self.thread = serve_in_thread(self.server)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -215,7 +215,7 @@ class W8A8Projection {
     // All rows in one pass: each unit of panels streams every row's codes (a 512-row chunk of
     // an 8960-wide input: 4.6 MB). Passes of L2-sized row blocks timed the same on the Xeon
     // (1536 x 8960 at 512 rows: 27.2 ms either way, fp32 46.5), whose L3 holds the codes.
-    multiply_rows(codes, steps, 0, rows, dot, y);
+    multiply_rows(codes, steps, rows, dot, y);
 #else
     // portable: the same int32 sums, scalar
     const int8_t* w_codes = codes_.data_ptr<int8_t>();
@@ -239,9 +239,9 @@ class W8A8Projection {
   }
 
 #if defined(__AVX2__)
-  // rows [m0, m1) of y: the threads share units of P panels, each unit times every row
-  void multiply_rows(const int8_t* codes, const float* steps, int64_t m0, int64_t m1,
-                     int64_t dot, float* y) const {
+  // y: the threads share units of P panels, each unit times every row
+  void multiply_rows(const int8_t* codes, const float* steps, int64_t rows, int64_t dot,
+                     float* y) const {
     constexpr int R = kW8A8Rows, P = kW8A8Panels;
     const int8_t* w_codes = codes_.data_ptr<int8_t>();
     const float* w_scales = scales_.data_ptr<float>();
@@ -251,8 +251,8 @@ class W8A8Projection {
       float tile_out[R * P * 8];
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t p0 = u * P, np = std::min<int64_t>(P, panels_ - p0);
-        for (int64_t r0 = m0; r0 < m1; r0 += R) {
-          const int64_t nr = std::min<int64_t>(R, m1 - r0);
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+          const int64_t nr = std::min<int64_t>(R, rows - r0);
           const W8A8TileArgs a{codes + r0 * kp_, kp_, steps + r0 * groups_,
                                w_codes + p0 * kp_ * 8, w_scales + p0 * groups_ * 8,
                                w_sums + p0 * groups_ * 8, groups_, group_ / 4, tile_out, P * 8};
