@@ -4,8 +4,10 @@ and realised sparsity per layer type, for several targets S.
     python benchmarks/sparsity.py                                   # default model, fp32
     python benchmarks/sparsity.py --quantization gguf               # its native GGUF blocks
     python benchmarks/sparsity.py --model qwen2.5-coder-1.5b-instruct --quantization int8
+    python benchmarks/sparsity.py --rotation none,pca --sparsity 0,0.25,0.4,0.5   # both, one table
 
-Per S (thresholds calibrated on The Tempest past the scored text, cached):
+Per S and rotation (thresholds calibrated on The Tempest past the scored text, cached; pca:
+gate|up's input thresholded in its principal axes, kvforge/sparsity/rotation.py):
 - speed: one engine, batch-1 greedy decode of ``--tokens`` tokens (multi-step decoding, so
   the compiled step), the sparse projections switched on and off between reps (dense, sparse,
   dense, ...): same weights, same process, alternated so background load hits both alike; the
@@ -64,6 +66,8 @@ def main() -> None:
                    help="none (fp32), gguf (native blocks), int8, ...")
     p.add_argument("--mode", default="teal", choices=["teal", "cats"])
     p.add_argument("--allocation", default="uniform", choices=["uniform", "greedy"])
+    p.add_argument("--rotation", default="none",
+                   help="comma-separated: none, pca (each S is measured with each)")
     p.add_argument("--sparsity", default="0,0.25,0.4,0.5,0.6",
                    help="comma-separated targets; 0 is the dense baseline")
     p.add_argument("--ppl-tokens", type=int, default=2048)
@@ -82,11 +86,15 @@ def main() -> None:
     from kvforge.kernels import cpu_kernels
     from kvforge.sparsity.cache import load_or_calibrate
     from kvforge.sparsity.decode import sparse_layers
+    from kvforge.sparsity.config import validate_sparsity
     from kvforge.sparsity.masking import SparsityMasks, realised_overall
 
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [float(s) for s in args.sparsity.split(",")]
+    rotations = args.rotation.split(",")
+    for rotation in rotations:
+        validate_sparsity(0.0, args.mode, args.allocation, rotation)
     llm = LLM(args.model, quantization=args.quantization, kv_cache_memory="256MiB",
               max_model_len=2048, num_threads=args.threads)
     runner = llm.engine.runner
@@ -100,10 +108,11 @@ def main() -> None:
           f"({args.allocation}) | ppl over {args.ppl_tokens} Tempest tokens | speed: batch 1, "
           f"{args.tokens} tokens x {args.reps} alternated reps")
     rows, base_ppl = [], None
-    for s in levels:
-        row = {"S": s}
+    for s, rotation in [(s, r) for s in levels for r in (rotations if s > 0 else ["none"])]:
+        row = {"S": s, "rotation": rotation}
         thresholds = (load_or_calibrate(model, source, s, args.mode, args.quantization,
-                                        args.allocation, tokens=args.calibration_tokens)
+                                        args.allocation, tokens=args.calibration_tokens,
+                                        rotation=rotation)
                       if s > 0 else None)
         if not args.skip_ppl:
             masks = SparsityMasks(model, thresholds) if thresholds is not None else None
@@ -121,14 +130,15 @@ def main() -> None:
         rows.append(row)
         print(_line(row, base_ppl), flush=True)
 
-    print("\n| S | ppl | ppl vs dense | skipped weights | realised qkv / o / gate_up / down "
-          "(CATS: up / down) | whole 32-blocks zeroed | dense tok/s | sparse tok/s | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| S | rotation | ppl | ppl vs dense | skipped weights | realised qkv / o / gate_up / "
+          "down (CATS: up / down) | whole 32-blocks zeroed | dense tok/s | sparse tok/s | "
+          "speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_table_row(row, base_ppl))
     best = [r for r in rows if "sparse" in r]
-    speed = ", ".join(f"S={r['S']:g} x{r['sparse'] / r['dense']:.2f}" for r in best)
-    quality = ", ".join(f"S={r['S']:g} {r['ppl'] / base_ppl - 1:+.1%}" for r in rows
+    speed = ", ".join(f"S={r['S']:g}{_rot(r)} x{r['sparse'] / r['dense']:.2f}" for r in best)
+    quality = ", ".join(f"S={r['S']:g}{_rot(r)} {r['ppl'] / base_ppl - 1:+.1%}" for r in rows
                         if "ppl" in r and base_ppl and r["S"] > 0)
     print(f"\nSUMMARY sparsity: {name} {args.quantization} {args.mode}/{args.allocation}: "
           f"decode {speed or 'n/a'}; ppl {quality or 'n/a'} | {hardware_line()}")
@@ -141,8 +151,12 @@ def _kinds(realised: dict) -> tuple[str, str]:
     return " / ".join(plain), " / ".join(blocks) or "-"
 
 
+def _rot(row) -> str:
+    return "" if row.get("rotation", "none") == "none" else f" {row['rotation']}"
+
+
 def _line(row, base) -> str:
-    parts = [f"S={row['S']:g}"]
+    parts = [f"S={row['S']:g}{_rot(row)}"]
     if "ppl" in row:
         parts.append(f"ppl {row['ppl']:.3f}" + (f" ({row['ppl'] / base - 1:+.2%})" if base else ""))
     if "realised" in row:
@@ -164,7 +178,8 @@ def _table_row(row, base) -> str:
                  f"x{row['sparse'] / row['dense']:.2f}")
     else:
         speed = "- | - | -"
-    return f"| {row['S']:g} | {ppl} | {rel} | {skipped} | {kinds} | {blocks} | {speed} |"
+    return (f"| {row['S']:g} | {row.get('rotation', 'none')} | {ppl} | {rel} | {skipped} | "
+            f"{kinds} | {blocks} | {speed} |")
 
 
 if __name__ == "__main__":

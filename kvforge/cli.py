@@ -144,6 +144,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 activation_sparsity=args.activation_sparsity,
                 activation_sparsity_mode=args.activation_sparsity_mode,
                 activation_sparsity_allocation=args.activation_sparsity_allocation,
+                activation_sparsity_rotation=args.activation_sparsity_rotation,
                 offload_memory_budget=args.offload_memory_budget, offload_dir=args.offload_dir,
                 offload_policy=args.offload_policy, offload_batch_size=args.offload_batch_size,
                 offload_block_batches=args.offload_block_batches,

@@ -127,6 +127,7 @@ class EngineConfig:
     activation_sparsity: float = 0.0
     activation_sparsity_mode: str = "teal"
     activation_sparsity_allocation: str = "greedy"   # teal: greedy per kind | uniform
+    activation_sparsity_rotation: str = "none"       # teal: pca = inputs in principal axes
     # offloading (kvforge/offload, FlexGen): a fast-tier (RAM) budget for weights, KV and
     # activations turns it on; layers stream from offload_dir (None = ~/.cache/kvforge/offload).
     # policy: lp | naive | w=PCT (resident share); batch_size sequences per batch,
@@ -201,7 +202,7 @@ class EngineConfig:
         validate_parallel_args(self)
         from kvforge.sparsity.config import validate_sparsity
         validate_sparsity(self.activation_sparsity, self.activation_sparsity_mode,
-                          self.activation_sparsity_allocation)
+                          self.activation_sparsity_allocation, self.activation_sparsity_rotation)
         if self.activation_sparsity > 0 and self.tensor_parallel_size > 1:
             raise ValueError(f"activation_sparsity {self.activation_sparsity} runs in the "
                              f"single-process decode stack; tensor_parallel_size must be 1, "

@@ -1,6 +1,8 @@
-"""Calibrated thresholds kept on disk, per model (file identity and quantization), mode and S:
-``$KVFORGE_CACHE_DIR/sparsity/<model>-<hash>/<mode>-S<0.500>.json`` (default cache dir
-~/.cache/kvforge). Activations depend on the weights, so a quantized model calibrates its own.
+"""Calibrated thresholds kept on disk, per model (file identity and quantization), mode,
+allocation, rotation and S: ``$KVFORGE_CACHE_DIR/sparsity/<model>-<hash>/<mode>-<allocation>
+[-pca]-S<0.500>.json`` (default cache dir ~/.cache/kvforge); the PCA rotations, which do not
+depend on S, once per model in ``rotations-pca.safetensors`` beside them. Activations depend
+on the weights, so a quantized model calibrates its own.
 """
 from __future__ import annotations
 
@@ -28,27 +30,54 @@ def model_key(path: str, quantization: str | None) -> str:
     return f"{p.stem or p.name}-{digest}"
 
 
-def cache_path(key: str, mode: str, sparsity: float, allocation: str = "uniform") -> Path:
+def cache_path(key: str, mode: str, sparsity: float, allocation: str = "uniform",
+               rotation: str = "none") -> Path:
     if mode != "teal":
         allocation = "uniform"                # CATS has one kind: nothing to allocate
-    return cache_root() / key / f"{mode}-{allocation}-S{sparsity:.3f}.json"
+    rotated = "" if rotation == "none" else f"-{rotation}"
+    return cache_root() / key / f"{mode}-{allocation}{rotated}-S{sparsity:.3f}.json"
 
 
-def load_thresholds(key: str, mode: str, sparsity: float,
-                    allocation: str = "uniform") -> SparsityThresholds | None:
-    path = cache_path(key, mode, sparsity, allocation)
+def rotations_path(key: str, rotation: str = "pca") -> Path:
+    return cache_root() / key / f"rotations-{rotation}.safetensors"
+
+
+def load_thresholds(key: str, mode: str, sparsity: float, allocation: str = "uniform",
+                    rotation: str = "none", num_layers: int | None = None
+                    ) -> SparsityThresholds | None:
+    from kvforge.sparsity.rotation import load_rotations
+    path = cache_path(key, mode, sparsity, allocation, rotation)
     if not path.is_file():
         return None
     try:
-        return SparsityThresholds.from_json(path.read_text())
+        thresholds = SparsityThresholds.from_json(path.read_text())
     except (ValueError, KeyError) as exc:     # a damaged file: calibrate again
         logger.warning("ignoring cached sparsity thresholds %s (%s)", path, exc)
         return None
+    if num_layers is not None and thresholds.num_layers != num_layers:
+        return None
+    from kvforge.sparsity.calibrate import CALIBRATION_VERSION
+    if thresholds.calibration.get("version", 1) != CALIBRATION_VERSION:
+        return None                           # made by an older calibration: redo
+    if rotation != "none":                    # thresholds of rotated inputs need their axes
+        rotations = load_rotations(rotations_path(key, rotation), thresholds.num_layers)
+        if rotations is None:
+            return None
+        rotated = thresholds.calibration.get("rotated", [])    # those whose rotation pays
+        thresholds.rotations = {kind: qs for kind, qs in rotations.items() if kind in rotated}
+    return thresholds
 
 
-def save_thresholds(key: str, thresholds: SparsityThresholds) -> Path:
+def save_thresholds(key: str, thresholds: SparsityThresholds,
+                    rotations: dict | None = None) -> Path:
+    """The thresholds' JSON; ``rotations``: newly fitted axes of every rotated kind (those the
+    thresholds use are named in their calibration's "rotated"), kept once per model."""
+    from kvforge.sparsity.rotation import save_rotations
+    rotation = thresholds.calibration.get("rotation", "none")
     path = cache_path(key, thresholds.mode, thresholds.sparsity,
-                      thresholds.calibration.get("allocation", "uniform"))
+                      thresholds.calibration.get("allocation", "uniform"), rotation)
+    if rotations is not None:
+        save_rotations(rotations_path(key, rotation), rotations)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(thresholds.to_json())
@@ -58,23 +87,35 @@ def save_thresholds(key: str, thresholds: SparsityThresholds) -> Path:
 
 def load_or_calibrate(model, source, sparsity: float, mode: str, quantization: str | None,
                       allocation: str = "greedy", recalibrate: bool = False,
-                      tokens: int | None = None) -> SparsityThresholds:
-    """The cached thresholds of this model, mode and S, else calibrated now (on ``tokens``
-    tokens, default calibrate.CALIBRATION_TOKENS) and cached."""
+                      tokens: int | None = None, rotation: str = "none") -> SparsityThresholds:
+    """The cached thresholds of this model, mode, allocation, rotation and S, else calibrated
+    now (on ``tokens`` tokens, default calibrate.CALIBRATION_TOKENS) and cached. A model's
+    cached PCA rotations serve every S (unless ``recalibrate``)."""
     from kvforge.sparsity.calibrate import CALIBRATION_TOKENS, calibrate, calibration_tokens
+    from kvforge.sparsity.rotation import load_rotations
     if quantization in (None, "", "auto"):       # the method "auto" picks for this file
         from kvforge.quant.loading import auto_quantization
         quantization = auto_quantization(source)
     key = model_key(source.path, quantization)
     if not recalibrate:
-        cached = load_thresholds(key, mode, sparsity, allocation)
-        if cached is not None and cached.num_layers == model.num_layers:
+        cached = load_thresholds(key, mode, sparsity, allocation, rotation, model.num_layers)
+        if cached is not None:
             return cached
-    logger.info("calibrating %s (%s) activation sparsity %.2f for %s", mode, allocation,
-                sparsity, key)
-    ids = calibration_tokens(source.load_tokenizer())[:tokens or CALIBRATION_TOKENS]
+    logger.info("calibrating %s (%s, rotation %s) activation sparsity %.2f for %s", mode,
+                allocation, rotation, sparsity, key)
+    tokenizer = source.load_tokenizer()
+    ids = calibration_tokens(tokenizer)[:tokens or CALIBRATION_TOKENS]
+    rotations = fresh = None
+    if rotation != "none":
+        rotations = (None if recalibrate
+                     else load_rotations(rotations_path(key, rotation), model.num_layers))
+        if rotations is None:
+            from kvforge.sparsity.rotation import ROTATION_TOKENS, calibrate_rotations
+            rotations = fresh = calibrate_rotations(
+                model, calibration_tokens(tokenizer, count=tokens or ROTATION_TOKENS))
     thresholds = calibrate(model, ids, sparsity, mode, allocation,
-                           info={"model": key, "corpus": "shakespeare"})
-    path = save_thresholds(key, thresholds)
+                           info={"model": key, "corpus": "shakespeare"}, rotation=rotation,
+                           rotations=rotations)
+    path = save_thresholds(key, thresholds, fresh)
     logger.info("sparsity thresholds cached at %s", path)
     return thresholds

@@ -7,7 +7,8 @@ formats stay dense (docs/activation_sparsity.md: skipping needs whole 32-input b
 magnitude thresholds almost never empty). The stack uses the copies for steps of up to
 ``sparse_rows_max`` rows (decode, multi-step decoding); prefill and larger batches stay dense,
 on the original weights. The copies cost one more weight's worth of memory per covered
-projection.
+projection. A rotated input (rotation.py) gets the copy of W Q and Q itself (in int8), which the kernel
+applies to the step's rows before thresholding them.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import torch
 
 from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.rotation import kernel_rotation, rotated_rows
 from kvforge.sparsity.thresholds import SparsityThresholds
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,15 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
                 rows = _weight_rows(mods[kind])
                 if rows is None:
                     continue
+                rotation, rotation_scales = thresholds.rotation(kind, i), None
+                if rotation is not None:
+                    rows = rotated_rows(rows[0], rows[1], rotation.float())
+                    rotation, rotation_scales = kernel_rotation(rotation)
                 bias = mods[kind].bias
                 entry[slot] = ops.SparseProjection(
                     _transposed(rows[0]), thresholds.threshold(kind, i), scales=rows[1],
-                    bias=None if bias is None else bias.detach().float().contiguous())
+                    bias=None if bias is None else bias.detach().float().contiguous(),
+                    rotation=rotation, rotation_scales=rotation_scales)
                 covered += 1
         else:
             gu, down = _weight_rows(mods["gate_up"]), _weight_rows(mods["down"])

@@ -13,8 +13,10 @@ logger = logging.getLogger(__name__)
 def enable_activation_sparsity(model, source, config) -> int:
     thresholds = load_or_calibrate(model, source, config.activation_sparsity,
                                    config.activation_sparsity_mode, config.quantization,
-                                   config.activation_sparsity_allocation)
+                                   config.activation_sparsity_allocation,
+                                   rotation=config.activation_sparsity_rotation)
     covered = enable_sparse_decode(model, thresholds)
-    logger.info("activation sparsity %s S=%.2f: %d projections sparse in decode steps",
-                config.activation_sparsity_mode, config.activation_sparsity, covered)
+    logger.info("activation sparsity %s S=%.2f (rotation %s): %d projections sparse in decode "
+                "steps", config.activation_sparsity_mode, config.activation_sparsity,
+                config.activation_sparsity_rotation, covered)
     return covered

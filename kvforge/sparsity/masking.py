@@ -2,8 +2,12 @@
 the compiled sparse decode is tested against, and what ``kvforge eval perplexity
 --activation-sparsity`` runs (every token masked as a sparse decode step would mask it).
 
-TEAL masks the input of each projection, ``x * (|x| > t)``; CATS multiplies the MLP's
-activation ``silu(gate) * up`` by ``|silu(gate)| > t``. Both count what they zero, per kind.
+TEAL masks the input of each projection, ``x * (|x| > t)``, or for a rotated input
+(rotation.py) its coordinates c = x Q' in the principal axes (Q' = Q as the kernel's int8
+holds it) and back, ``(c * (|c| > t)) Q^T``: W of that equals (W Q) times the masked
+coordinates, what the decode twin computes. CATS
+multiplies the MLP's activation ``silu(gate) * up`` by ``|silu(gate)| > t``. Both count what
+they zero, per kind.
 """
 from __future__ import annotations
 
@@ -60,7 +64,8 @@ class SparsityMasks:
             if thresholds.mode == "teal":
                 for kind in ("qkv", "o", "gate_up", "down"):
                     self._handles.append(mods[kind].register_forward_pre_hook(
-                        self._teal_hook(kind, thresholds.threshold(kind, i))))
+                        self._teal_hook(kind, thresholds.threshold(kind, i),
+                                        thresholds.rotation(kind, i))))
             else:
                 self._handles.append(mods["act"].register_forward_hook(
                     self._cats_hook(thresholds.threshold("gate", i))))
@@ -70,11 +75,21 @@ class SparsityMasks:
         c[0] += int(zeroed.sum())
         c[1] += total
 
-    def _teal_hook(self, kind: str, t: float):
+    def _teal_hook(self, kind: str, t: float, rotation: torch.Tensor | None = None):
+        if rotation is not None:     # the coordinates as the kernel computes them (int8 Q)
+            from kvforge.sparsity.rotation import coordinate_rotation
+            to_coords = coordinate_rotation(rotation)
+
         def hook(module, args):
             x = args[0]
             if self.max_rows is not None and x.reshape(-1, x.shape[-1]).shape[0] > self.max_rows:
                 return None
+            if rotation is not None:
+                coords = x @ to_coords.to(device=x.device, dtype=x.dtype)
+                keep = coords.abs() > t
+                self._count(kind, ~keep, keep.numel())
+                back = rotation.to(device=x.device, dtype=x.dtype)
+                return ((coords * keep) @ back.T,) + tuple(args[1:])
             keep = x.abs() > t
             self._count(kind, ~keep, keep.numel())
             if x.shape[-1] % GGUF_BLOCK == 0:      # whole 32-input blocks zeroed (GGUF's unit)

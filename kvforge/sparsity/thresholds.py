@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+import torch
 
 from kvforge.sparsity.config import KINDS, validate_sparsity
 
@@ -15,6 +17,9 @@ class SparsityThresholds:
     layers: dict[str, list[float]]
     # how they were made: corpus, token offset and count, model key
     calibration: dict = field(default_factory=dict)
+    # kind -> one orthogonal Q [d, d] per layer: that input is thresholded as x Q (rotation.py);
+    # kinds absent are thresholded as they are. Kept in a safetensors file beside the JSON.
+    rotations: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity, self.mode)
@@ -26,6 +31,10 @@ class SparsityThresholds:
             raise ValueError(f"every kind needs one threshold per layer, got lengths {lengths}")
         if any(t < 0 for v in self.layers.values() for t in v):
             raise ValueError("thresholds must be >= 0")
+        for kind, qs in self.rotations.items():
+            if kind not in self.layers or len(qs) != self.num_layers:
+                raise ValueError(f"rotations must be one per layer of a thresholded kind, got "
+                                 f"{kind!r} with {len(qs)}")
 
     @property
     def num_layers(self) -> int:
@@ -34,8 +43,14 @@ class SparsityThresholds:
     def threshold(self, kind: str, layer: int) -> float:
         return self.layers[kind][layer]
 
+    def rotation(self, kind: str, layer: int) -> torch.Tensor | None:
+        qs = self.rotations.get(kind)
+        return None if qs is None else qs[layer]
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """Everything but the rotations (their own file: cache.py)."""
+        return json.dumps({"mode": self.mode, "sparsity": self.sparsity, "layers": self.layers,
+                           "calibration": self.calibration}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "SparsityThresholds":

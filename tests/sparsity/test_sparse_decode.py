@@ -37,12 +37,10 @@ def _masked_reference(llm, thresholds, monkeypatch, max_tokens):
     return out
 
 
-@pytest.mark.parametrize("mode", ["teal", "cats"])
-@pytest.mark.parametrize("steps", [1, 4])            # one-step and multi-step decoding
-def test_sparse_stack_equals_masked_python_layers(tiny_model_factory, monkeypatch, mode, steps):
-    hf_dir, _ = tiny_model_factory("llama")
-    llm = _llm(hf_dir, num_decode_steps=steps)
-    thresholds = _thresholds(llm, 0.5, mode)
+def assert_stack_equals_masked_layers(llm, thresholds, monkeypatch) -> None:
+    """The compiled sparse decode's greedy tokens and logprobs (to 1e-4) are the masked
+    Python layers', and differ from the dense engine's (at S = 0.5 the masks change this
+    random model's tokens)."""
     dense, _ = _greedy(llm, PROMPTS, max_tokens=10)
     assert enable_sparse_decode(llm.engine.runner.model, thresholds) > 0
     sparse, sparse_lp = _greedy(llm, PROMPTS, max_tokens=10)
@@ -50,8 +48,16 @@ def test_sparse_stack_equals_masked_python_layers(tiny_model_factory, monkeypatc
     assert sparse == ref
     for a, b in zip(sparse_lp, ref_lp):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
-    assert sparse != dense            # at S = 0.5 the masks change this random model's tokens
+    assert sparse != dense
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["teal", "cats"])
+@pytest.mark.parametrize("steps", [1, 4])            # one-step and multi-step decoding
+def test_sparse_stack_equals_masked_python_layers(tiny_model_factory, monkeypatch, mode, steps):
+    hf_dir, _ = tiny_model_factory("llama")
+    llm = _llm(hf_dir, num_decode_steps=steps)
+    assert_stack_equals_masked_layers(llm, _thresholds(llm, 0.5, mode), monkeypatch)
 
 
 def test_qwen2_biases_sparse(tiny_model_factory, monkeypatch):

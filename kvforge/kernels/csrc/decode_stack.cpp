@@ -451,9 +451,9 @@ class DecodeStack {
   // one projection of a team step: the sparse twin when there is one
   static void run_projection(const Projection& p, const SparseProjection* sparse, const float* x,
                              int64_t xs, float* y, int64_t n, const Team& team,
-                             ShareClaim* claims) {
+                             ShareClaim* claims, ShareClaim* rotation_claims) {
     if (sparse != nullptr)
-      sparse->run(x, xs, y, n, team, claims);
+      sparse->run(x, xs, y, n, team, claims, rotation_claims);
     else
       p.run(x, xs, y, n, team, claims);
   }
@@ -500,9 +500,10 @@ class DecodeStack {
     PrivateBuffers(int64_t n, int64_t hidden, int64_t inter)
         : residual(n * hidden), h(n * hidden), act(n * inter) {}
   };
-  // per layer: claims of qkv, attention tasks, merges, o, gate_up, down, CATS' up (a thread
-  // each)
-  static constexpr int kWorks = 7;
+  // per layer: claims of qkv, attention tasks, merges, o, gate_up, down, CATS' up, then the
+  // rotations of sparse qkv, o, gate_up, down (a thread each)
+  static constexpr int kWorks = 11;
+  static constexpr int kRotationWorks = 7;
 
   int64_t widest_mlp() const {            // Llama's MLPs are all alike; take the widest
     int64_t inter = 0;
@@ -562,7 +563,8 @@ class DecodeStack {
         add_rms_norm_rows(x_p, hidden_, residual, hidden_, w.ln1.data_ptr<float>(), h, residual,
                           n, hidden_, eps_);
       }
-      run_projection(w.qkv, sp ? sp->qkv : nullptr, h, hidden_, qkv_p, n, team, claim);
+      run_projection(w.qkv, sp ? sp->qkv : nullptr, h, hidden_, qkv_p, n, team, claim,
+                     claim + kRotationWorks * threads);
       team.barrier();
       float* cache = st.kv_caches[l].data_ptr<float>();
       const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
@@ -596,7 +598,7 @@ class DecodeStack {
       }
       team.barrier();
       run_projection(w.o, sp ? sp->o : nullptr, attn_p, q_width, o_p, n, team,
-                     claim + 3 * threads);
+                     claim + 3 * threads, claim + (kRotationWorks + 1) * threads);
       team.barrier();
       add_rms_norm_rows(o_p, hidden_, residual, hidden_, w.ln2.data_ptr<float>(), h, residual, n,
                         hidden_, eps_);
@@ -606,12 +608,12 @@ class DecodeStack {
         continue;
       }
       run_projection(w.gate_up, sp ? sp->gate_up : nullptr, h, hidden_, gu_p, n, team,
-                     claim + 4 * threads);
+                     claim + 4 * threads, claim + (kRotationWorks + 2) * threads);
       team.barrier();
       const int64_t width = sp && sp->down ? sp->down->in_features() : w.down.in_features();
       silu_and_mul_rows(gu_p, 2 * width, act, n, width);
       run_projection(w.down, sp ? sp->down : nullptr, act, width, x_p, n, team,
-                     claim + 5 * threads);
+                     claim + 5 * threads, claim + (kRotationWorks + 3) * threads);
       team.barrier();
     }
   }

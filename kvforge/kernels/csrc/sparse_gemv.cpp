@@ -17,12 +17,21 @@
 // was ~2x slower per byte than the dense kernel at S = 0 (sparse_rows' comment).
 // Weights are fp32, or int8 with a scale per output column (W = q * s[n], quant/int8.py).
 //
+// Rotated inputs (kvforge/sparsity/rotation.py): a projection may carry an orthogonal Q [in, in]
+// (the PCA basis of its input on calibration text; int8 with a scale per column, or fp32).
+// Then y = W x = (W Q)(Q^T x): the team computes x' = x Q densely (a projection of its own,
+// every input kept, with its own claims), thresholds x', and reads the kept rows of (W Q)^T. In that basis a few components carry most of the energy, so
+// zeroing the small ones loses far less than zeroing small entries of x itself.
+//
+//   x [rows, in] --(x Q, dense; barrier)--> x' [rows, in] --(mask_t, kept rows of (WQ)^T)--> y
+//
 // CATS (CatsMlp): the mask comes from |silu(gate)|: gate is computed densely (rows-major
 // gate_up copy), then up only for the kept channels (contiguous rows of the same copy) and down
 // input-sparse over its transposed copy.
 #include "kernels.h"
 
 #include <cstring>
+#include <memory>
 
 namespace kvforge {
 
@@ -154,9 +163,24 @@ struct TypedWeight {
 class SparseProjection {
  public:
   SparseProjection(at::Tensor weight_t, double threshold, c10::optional<at::Tensor> scales,
-                   c10::optional<at::Tensor> bias)
+                   c10::optional<at::Tensor> bias,
+                   c10::optional<at::Tensor> rotation = c10::nullopt,
+                   c10::optional<at::Tensor> rotation_scales = c10::nullopt)
       : w_(TypedWeight::from(weight_t, scales)), threshold_(static_cast<float>(threshold)) {
     TORCH_CHECK(threshold >= 0, "threshold must be >= 0, got ", threshold);
+    if (rotation.has_value()) {
+      TORCH_CHECK(rotation->dim() == 2 && rotation->size(0) == in_features() &&
+                      rotation->size(1) == in_features() && rotation->is_contiguous(),
+                  "rotation must be a contiguous [", in_features(), ", ", in_features(),
+                  "] matrix, got ", rotation->sizes());
+      // x' = x Q: Q's row i is input i's contribution, the input-major layout of a projection
+      // (fp32, or int8 with a scale per column of Q beside int8 weights)
+      rotation_ = std::make_unique<SparseProjection>(*rotation, 0.0, rotation_scales,
+                                                     c10::nullopt);
+      rotated_.resize(kSparseRowsMax * in_features());
+    } else {
+      TORCH_CHECK(!rotation_scales.has_value(), "rotation scales without a rotation");
+    }
     if (w_.scale.defined())
       TORCH_CHECK(w_.scale.numel() == out_features(), "int8 scales: one per output column");
     if (bias.has_value() && bias->numel() > 0) {
@@ -171,9 +195,20 @@ class SparseProjection {
   int64_t out_features() const { return w_.data.size(1); }
   float threshold() const { return threshold_; }
 
-  // this thread's part of y [rows, out] (rows <= kSparseRowsMax), inside a team's region
+  bool rotated() const { return rotation_ != nullptr; }
+
+  // this thread's part of y [rows, out] (rows <= kSparseRowsMax), inside a team's region;
+  // rotation_claims: the rotation's own zeroed claims (a rotated projection only)
   void run(const float* x, int64_t xs, float* y, int64_t rows, const Team& team,
-           ShareClaim* claims) const {
+           ShareClaim* claims, ShareClaim* rotation_claims = nullptr) const {
+    if (rotation_ != nullptr) {
+      TORCH_CHECK(rotation_claims != nullptr, "a rotated projection needs the rotation's claims");
+      float* xr = rotated_.data();          // every thread gathers from all of x'
+      rotation_->run(x, xs, xr, rows, team, rotation_claims);
+      team.barrier();
+      x = xr;
+      xs = in_features();
+    }
     thread_local KeptInputs kept;
     kept.gather(x, xs, rows, in_features(), threshold_);
     run_kept(kept, y, out_features(), team, claims);
@@ -220,9 +255,10 @@ class SparseProjection {
                 "x must be [1..", kSparseRowsMax, ", ", in_features(), "] with contiguous rows");
     at::Tensor y = at::empty({x.size(0), out_features()}, x.options());
     const int threads = at::get_num_threads();
-    std::vector<ShareClaim> claims(threads);
+    std::vector<ShareClaim> claims(2 * threads);     // the projection's, the rotation's
     run_team([&](const Team& team) {
-      run(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), x.size(0), team, claims.data());
+      run(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), x.size(0), team, claims.data(),
+          claims.data() + threads);
     });
     return y;
   }
@@ -231,6 +267,8 @@ class SparseProjection {
   TypedWeight w_;
   at::Tensor bias_;
   float threshold_;
+  std::unique_ptr<SparseProjection> rotation_;    // x -> x Q before the mask; null: none
+  mutable std::vector<float> rotated_;            // x Q [kSparseRowsMax, in], shared by the team
   // each team thread's partial sums (thread-local buffers), read by all in the reduction; one
   // step runs at a time per model, so one table per projection
   mutable std::vector<float*> parts_ = std::vector<float*>(kSparseTeamMax);
@@ -329,10 +367,14 @@ void bind_sparse_gemv(pybind11::module& m) {
   m.attr("sparse_rows_max") = kSparseRowsMax;
   pybind11::class_<SparseProjection>(m, "SparseProjection", pybind11::module_local())
       .def(pybind11::init<at::Tensor, double, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>>(),
            pybind11::arg("weight_t"), pybind11::arg("threshold"),
-           pybind11::arg("scales") = pybind11::none(), pybind11::arg("bias") = pybind11::none())
+           pybind11::arg("scales") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
+           pybind11::arg("rotation") = pybind11::none(),
+           pybind11::arg("rotation_scales") = pybind11::none())
       .def_property_readonly("in_features", &SparseProjection::in_features)
+      .def_property_readonly("rotated", &SparseProjection::rotated)
       .def_property_readonly("out_features", &SparseProjection::out_features)
       .def_property_readonly("threshold", &SparseProjection::threshold)
       .def("forward", &SparseProjection::forward,

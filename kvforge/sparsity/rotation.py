@@ -1,0 +1,144 @@
+"""TEAL in principal axes (``--activation-sparsity-rotation pca``; training-free, after LaRoSA).
+
+For a projection y = W x and an orthogonal Q (Q Q^T = I), y = (W Q)(Q^T x). With Q's columns the
+principal axes of x on calibration text (eigenvectors of E[x x^T], largest variance first), a
+few coordinates of Q^T x carry most of its energy: on SmolLM2-135M the top half of the axes of
+gate|up's input hold 95-99% of it, where x's own entries are spread far more evenly. Zeroing the
+smallest-magnitude coordinates of Q^T x then loses much less than zeroing the smallest entries
+of x, and the skipped weights are rows of (W Q)^T exactly as before:
+
+    x --(x Q: dense, d x d)--> x' --(|x'| > t)--> kept rows of (W Q)^T --> y
+
+Rotated: gate|up's input (the MLP's RMSNorm output), ``ROTATED_KINDS``. Measured on
+SmolLM2-135M fp32 (perplexity over 2,048 Tempest tokens, one kind at S = 0.5, the others dense):
+gate|up +48.8% -> +1.7%. Not rotated, each for a measured reason: q|k|v's input (+6.0% ->
++5.6% alone; with every kind at S = 0.5 over 4,096 tokens +13.6% -> +10.5%, but at S = 0.4
++2.9% -> +4.9%: no steady gain for another d x d product), o's (per-head attention outputs:
++0.25% plain, no gain rotated) and down's (+2.3% -> +0.7%, but its rotation is an I x I
+product, 1536^2 on the 135M: more than the sparse product it would serve).
+
+Cost: x Q is one dense d x d product per layer and decode step (576^2 on the 135M, ~9% of a
+layer's weights), paid where the skipped rows save more. The decode twin
+keeps W Q (fp32, or beside int8 weights int8 requantized per output row) and Q in int8 per
+column (``kernel_rotation``); the model's own weights, used by
+prefill, are untouched, so S = 0 and prefill are exactly as without rotation.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvforge.sparsity.masking import llama_projections
+
+# inputs rotated under "pca" (the module docstring says why only gate|up's)
+ROTATED_KINDS = ("gate_up",)
+# calibration tokens the axes are fitted on: more than the thresholds' 4,096, since the
+# low-variance axes of a covariance fitted on few tokens are too quiet on other text (on the
+# 135M the rotated input realised 43% at a 50% level from 4,096 tokens, 46% from 16,384)
+ROTATION_TOKENS = 16384
+
+
+@torch.inference_mode()
+def input_covariances(model, token_ids: list[int], kinds=ROTATED_KINDS,
+                      window: int = 512) -> dict[tuple[str, int], torch.Tensor]:
+    """(kind, layer) -> E[x x^T] (float64 [d, d]) of that projection's input over prefills of
+    ``token_ids`` in windows of ``window`` tokens."""
+    from kvforge.sparsity.calibrate import prefill_windows
+    if len(token_ids) < 2:
+        raise ValueError(f"rotation calibration needs at least 2 tokens, got {len(token_ids)}")
+    sums: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[tuple[str, int], int] = {}
+
+    def hook(key):
+        def record(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[key] = sums[key] + x.T @ x if key in sums else x.T @ x
+            counts[key] = counts.get(key, 0) + x.shape[0]
+        return record
+
+    handles = [mods[kind].register_forward_pre_hook(hook((kind, i)))
+               for i, mods in enumerate(llama_projections(model)) for kind in kinds]
+    try:
+        prefill_windows(model, token_ids, window)
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: sums[key].cpu() / counts[key] for key in sums}
+
+
+def principal_axes(covariance: torch.Tensor) -> torch.Tensor:
+    """Q [d, d] float32, orthogonal: its columns the eigenvectors of ``covariance``, largest
+    eigenvalue first (the order only makes the matrix easier to read)."""
+    if covariance.dim() != 2 or covariance.shape[0] != covariance.shape[1]:
+        raise ValueError(f"a covariance must be square, got {tuple(covariance.shape)}")
+    _, vectors = torch.linalg.eigh(covariance.double())
+    return vectors.flip(-1).float().contiguous()
+
+
+def calibrate_rotations(model, token_ids: list[int], window: int = 512
+                        ) -> dict[str, list[torch.Tensor]]:
+    """kind -> one Q per layer, for every kind in ROTATED_KINDS."""
+    cov = input_covariances(model, token_ids, ROTATED_KINDS, window)
+    num_layers = len(llama_projections(model))
+    return {kind: [principal_axes(cov[(kind, i)]) for i in range(num_layers)]
+            for kind in ROTATED_KINDS}
+
+
+def save_rotations(path: Path, rotations: dict[str, list[torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({f"{kind}.{i}": q.contiguous() for kind, qs in rotations.items()
+               for i, q in enumerate(qs)}, str(tmp))
+    tmp.replace(path)               # atomic: a concurrent reader never sees half a file
+
+
+def load_rotations(path: Path, num_layers: int) -> dict[str, list[torch.Tensor]] | None:
+    """The rotations saved at ``path`` for a model of ``num_layers`` layers; None when absent,
+    damaged or made for another shape."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not path.is_file():
+        return None
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError):
+        return None
+    out = {}
+    for kind in ROTATED_KINDS:
+        qs = [tensors.get(f"{kind}.{i}") for i in range(num_layers)]
+        if any(q is None or q.dim() != 2 or q.shape[0] != q.shape[1] for q in qs):
+            return None
+        out[kind] = qs
+    return out
+
+
+def kernel_rotation(rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q as the kernel reads it to compute the coordinates: int8 with a scale per column of Q
+    (a quarter of fp32's bytes: an fp32 Q added ~18% to the reads of SmolLM2's sparse decode
+    step at S = 0.5 and cost a fifth of its speed-up). The rounding (~0.4% of an entry) moves
+    coordinates by ~0.3%; the weights they multiply are W Q with the exact Q."""
+    from kvforge.quant.packing import quantize_int8_per_channel
+    q, s = quantize_int8_per_channel(rotation.float().T)      # rows = Q's columns
+    return q.T.contiguous(), s.float()
+
+
+def coordinate_rotation(rotation: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix the kernel's int8 Q stands for: x times it gives the coordinates that
+    are thresholded (the Python reference uses it too, so both mask alike)."""
+    q, s = kernel_rotation(rotation)
+    return q.float() * s[None, :]
+
+
+def rotated_rows(weight: torch.Tensor, scales: torch.Tensor | None, rotation: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W Q for a decode twin: fp32 [out, in] -> fp32; int8 codes with per-output scales ->
+    the rotated weight requantized to int8 per output row (its own rounding: W Q is not on
+    the original codes' grid)."""
+    if scales is None:
+        return weight.float() @ rotation, None
+    from kvforge.quant.packing import quantize_int8_per_channel
+    rotated = (weight.float() * scales.float()[:, None]) @ rotation
+    q, s = quantize_int8_per_channel(rotated)
+    return q, s.float()
