@@ -7,8 +7,8 @@ formats stay dense (docs/activation_sparsity.md: skipping needs whole 32-input b
 magnitude thresholds almost never empty). The stack uses the copies for steps of up to
 ``sparse_rows_max`` rows (decode, multi-step decoding); prefill and larger batches stay dense,
 on the original weights. The copies cost one more weight's worth of memory per covered
-projection. A rotated input (rotation.py) gets the copy of W Q and Q itself (in int8), which the kernel
-applies to the step's rows before thresholding them.
+projection. A rotated input (rotation.py) gets the copy of W Q and Q itself (in int8), which
+the kernel applies to the step's rows before thresholding them.
 """
 from __future__ import annotations
 

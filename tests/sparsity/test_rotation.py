@@ -8,11 +8,10 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.sparsity.calibrate import calibrate
-from kvforge.sparsity.decode import enable_sparse_decode
 from kvforge.sparsity.rotation import (ROTATED_KINDS, coordinate_rotation, kernel_rotation,
                                       principal_axes, rotated_rows)
-from tests.kernels.test_cpu_kernels import _greedy, needs_kernels
-from tests.sparsity.test_sparse_decode import (PROMPTS, _llm, _masked_reference,
+from tests.kernels.test_cpu_kernels import needs_kernels
+from tests.sparsity.test_sparse_decode import (_llm, assert_int8_stack_near_masked_layers,
                                                assert_stack_equals_masked_layers)
 from tests.sparsity.test_sparse_kernels import compiled  # noqa: F401 (the per-ISA fixture)
 
@@ -127,15 +126,7 @@ def test_rotated_int8_stack_runs_sparse(tiny_model_factory, monkeypatch):
     rounding apart), and far from the dense engine."""
     hf_dir, _ = tiny_model_factory("llama")
     llm = _llm(hf_dir, quantization="int8")
-    thresholds = _rotated_thresholds(llm, 0.5)
-    _, dense_lp = _greedy(llm, PROMPTS, max_tokens=6)
-    assert enable_sparse_decode(llm.engine.runner.model, thresholds) > 0
-    _, sparse_lp = _greedy(llm, PROMPTS, max_tokens=6)
-    _, ref_lp = _masked_reference(llm, thresholds, monkeypatch, max_tokens=6)
-    for a, b in zip(sparse_lp, ref_lp):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=5e-2)
-    gap = max(abs(a - b) for x, y in zip(sparse_lp, dense_lp) for a, b in zip(x[1:], y[1:]))
-    assert gap > 0.005
+    assert_int8_stack_near_masked_layers(llm, _rotated_thresholds(llm, 0.5), monkeypatch)
 
 
 def test_rotated_thresholds_reach_the_target(tiny_model_factory):

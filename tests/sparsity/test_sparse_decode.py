@@ -80,14 +80,18 @@ def test_int8_projections_run_sparse_in_the_stack(tiny_model_factory, monkeypatc
     there, fp32 here: logprobs agree to bf16 rounding)."""
     hf_dir, _ = tiny_model_factory("llama")
     llm = _llm(hf_dir, quantization="int8")
-    thresholds = _thresholds(llm, 0.5, mode)
+    assert_int8_stack_near_masked_layers(llm, _thresholds(llm, 0.5, mode), monkeypatch)
+
+
+def assert_int8_stack_near_masked_layers(llm, thresholds, monkeypatch) -> None:
+    """An int8 engine's sparse decode: logprobs within bf16 rounding (5e-2) of the masked int8
+    Python layers', and far from the dense int8 engine's (the steps really ran sparse)."""
     _, dense_lp = _greedy(llm, PROMPTS, max_tokens=6)
     assert enable_sparse_decode(llm.engine.runner.model, thresholds) > 0
-    sparse, sparse_lp = _greedy(llm, PROMPTS, max_tokens=6)
-    ref, ref_lp = _masked_reference(llm, thresholds, monkeypatch, max_tokens=6)
+    _, sparse_lp = _greedy(llm, PROMPTS, max_tokens=6)
+    _, ref_lp = _masked_reference(llm, thresholds, monkeypatch, max_tokens=6)
     for a, b in zip(sparse_lp, ref_lp):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=5e-2)
-    # the decode steps really ran sparse: far from the dense int8 engine's logprobs
     gap = max(abs(a - b) for x, y in zip(sparse_lp, dense_lp) for a, b in zip(x[1:], y[1:]))
     assert gap > 0.005         # exactly 0.0 when the step ran dense
 
