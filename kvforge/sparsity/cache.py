@@ -64,6 +64,9 @@ def load_thresholds(key: str, mode: str, sparsity: float, allocation: str = "uni
         if rotations is None:
             return None
         rotated = thresholds.calibration.get("rotated", [])    # those whose rotation pays
+        from kvforge.sparsity.rotation import ROTATED_COORDINATES
+        if rotated and thresholds.calibration.get("coordinates") != ROTATED_COORDINATES:
+            return None                       # thresholds of coordinates computed otherwise
         thresholds.rotations = {kind: qs for kind, qs in rotations.items() if kind in rotated}
     return thresholds
 

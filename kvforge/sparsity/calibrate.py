@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from kvforge.sparsity.config import KINDS, validate_sparsity
 from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.rotation import ROTATED_COORDINATES
 from kvforge.sparsity.thresholds import SparsityThresholds
 
 CALIBRATION_OFFSET = 8192      # tokens of The Tempest skipped (the eval's text comes first)
@@ -43,11 +44,10 @@ class _Recorder:
         for i, mods in enumerate(llama_projections(model)):
             if mode == "teal":
                 for kind in KINDS["teal"]:
-                    q = rotations[kind][i] if kind in rotations else None
-                    if q is not None:           # the coordinates as the kernel computes them
-                        from kvforge.sparsity.rotation import coordinate_rotation
-                        q = coordinate_rotation(q)
-                    transform = (lambda x: x) if q is None else (lambda x, q=q: x @ q.to(x))
+                    transform = lambda x: x                                 # noqa: E731
+                    if kind in rotations:       # the coordinates as the kernel computes them
+                        from kvforge.sparsity.rotation import CoordinateRotation
+                        transform = CoordinateRotation(rotations[kind][i]).coordinates
                     self._handles.append(mods[kind].register_forward_pre_hook(
                         self._hook(kind, i, transform), prepend=True))
             else:
@@ -187,7 +187,8 @@ def calibrate(model, token_ids: list[int], sparsity: float, mode: str = "teal",
         mode, float(sparsity), thresholds_at(samples, levels, num_layers),
         dict(info or {}, tokens=len(token_ids), window=window, allocation=allocation,
              levels=levels, rotation=rotation, rotated=sorted(rotations),
-             version=CALIBRATION_VERSION),
+             version=CALIBRATION_VERSION,
+             **({"coordinates": ROTATED_COORDINATES} if rotations else {})),
         rotations=rotations)
     # In place: a layer's input is thresholded after every earlier layer's masks, whose errors
     # raise its small entries (most of all a rotated input's low-variance axes: on SmolLM2 at

@@ -7,8 +7,9 @@ formats stay dense (docs/activation_sparsity.md: skipping needs whole 32-input b
 magnitude thresholds almost never empty). The stack uses the copies for steps of up to
 ``sparse_rows_max`` rows (decode, multi-step decoding); prefill and larger batches stay dense,
 on the original weights. The copies cost one more weight's worth of memory per covered
-projection. A rotated input (rotation.py) gets the copy of W Q and Q itself (in int8), which
-the kernel applies to the step's rows before thresholding them.
+projection. A rotated input (rotation.py) gets the copy of W Q and Q^T in the W8A8 kernel's
+int8 panels, an integer product the kernel applies to the step's rows before thresholding them
+(with the int8 dot ``KVFORGE_INT8_DOT`` picks).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import logging
 
 import torch
 
+from kvforge.kernels.ops import int8_dot
 from kvforge.sparsity.masking import llama_projections
-from kvforge.sparsity.rotation import kernel_rotation, rotated_rows
+from kvforge.sparsity.rotation import kernel_rotations, rotated_rows
 from kvforge.sparsity.thresholds import SparsityThresholds
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
     """Per layer [qkv, o, gate_up, down, cats] for ``DecodeStack.set_sparsity`` (None where a
     projection stays dense) and how many projections got a sparse copy."""
     layers, covered = [], 0
+    # kind -> each layer's compiled x -> x Q (one set of huge-page buffers per kind)
+    products = {kind: kernel_rotations(ops, qs) for kind, qs in thresholds.rotations.items()}
     for i, mods in enumerate(llama_projections(model)):
         entry = [None] * 5
         if thresholds.mode == "teal":
@@ -56,15 +60,15 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
                 rows = _weight_rows(mods[kind])
                 if rows is None:
                     continue
-                rotation, rotation_scales = thresholds.rotation(kind, i), None
+                rotation = thresholds.rotation(kind, i)
                 if rotation is not None:
                     rows = rotated_rows(rows[0], rows[1], rotation.float())
-                    rotation, rotation_scales = kernel_rotation(rotation)
+                    rotation = products[kind][i]
                 bias = mods[kind].bias
                 entry[slot] = ops.SparseProjection(
                     _transposed(rows[0]), thresholds.threshold(kind, i), scales=rows[1],
                     bias=None if bias is None else bias.detach().float().contiguous(),
-                    rotation=rotation, rotation_scales=rotation_scales)
+                    rotation=rotation, rotation_dot=int8_dot())
                 covered += 1
         else:
             gu, down = _weight_rows(mods["gate_up"]), _weight_rows(mods["down"])

@@ -3,8 +3,8 @@ the compiled sparse decode is tested against, and what ``kvforge eval perplexity
 --activation-sparsity`` runs (every token masked as a sparse decode step would mask it).
 
 TEAL masks the input of each projection, ``x * (|x| > t)``, or for a rotated input
-(rotation.py) its coordinates c = x Q' in the principal axes (Q' = Q as the kernel's int8
-holds it) and back, ``(c * (|c| > t)) Q^T``: W of that equals (W Q) times the masked
+(rotation.py) its coordinates c = x Q in the principal axes (as the kernel computes them:
+rotation.CoordinateRotation) and back, ``(c * (|c| > t)) Q^T``: W of that equals (W Q) times the masked
 coordinates, what the decode twin computes. CATS multiplies the MLP's activation
 ``silu(gate) * up`` by ``|silu(gate)| > t``. Both count what they zero, per kind.
 """
@@ -75,16 +75,16 @@ class SparsityMasks:
         c[1] += total
 
     def _teal_hook(self, kind: str, t: float, rotation: torch.Tensor | None = None):
-        if rotation is not None:     # the coordinates as the kernel computes them (int8 Q)
-            from kvforge.sparsity.rotation import coordinate_rotation
-            to_coords = coordinate_rotation(rotation)
+        if rotation is not None:     # the coordinates as the kernel computes them
+            from kvforge.sparsity.rotation import CoordinateRotation
+            to_coords = CoordinateRotation(rotation)
 
         def hook(module, args):
             x = args[0]
             if self.max_rows is not None and x.reshape(-1, x.shape[-1]).shape[0] > self.max_rows:
                 return None
             if rotation is not None:
-                coords = x @ to_coords.to(device=x.device, dtype=x.dtype)
+                coords = to_coords.coordinates(x)
                 keep = coords.abs() > t
                 self._count(kind, ~keep, keep.numel())
                 back = rotation.to(device=x.device, dtype=x.dtype)

@@ -18,10 +18,18 @@ gate|up +48.8% -> +1.7%. Not rotated, each for a measured reason: q|k|v's input 
 product, 1536^2 on the 135M: more than the sparse product it would serve).
 
 Cost: x Q is one dense d x d product per layer and decode step (576^2 on the 135M, ~9% of a
-layer's weights), paid where the skipped rows save more. The decode twin
-keeps W Q (fp32, or beside int8 weights int8 requantized per output row) and Q in int8 per
-column (``kernel_rotation``); the model's own weights, used by
-prefill, are untouched, so S = 0 and prefill are exactly as without rotation.
+layer's weights in fp32), paid where the skipped rows save more. It is an integer product
+(``CoordinateRotation``: int8 Q per column, x rounded to int8 per group of 64 inputs, the
+W8A8 kernel's dots), ~12 us a layer on the 135M as AVX2 where converting int8 Q to fp32 for
+FMAs took ~50. The decode twin keeps W Q (fp32, or beside int8 weights int8 requantized per
+output row); the model's own weights, used by prefill, are untouched, so S = 0 and prefill
+are exactly as without rotation.
+
+Thresholds in these axes transfer less well to other text than plain ones: on SmolLM2 at a
+50% level gate|up's rotated input is 46% zeroed on Tempest but 32% on ShareGPT answers (plain:
+49% / 49%), since the axes quiet on Shakespeare carry more elsewhere. Keeping exactly the top
+half per token instead (top-k) holds the level everywhere but cost far more quality (+18% /
++73% perplexity on Tempest / ShareGPT vs +9.5% / +19% thresholded), so thresholds stay.
 """
 from __future__ import annotations
 
@@ -114,6 +122,16 @@ def load_rotations(path: Path, num_layers: int) -> dict[str, list[torch.Tensor]]
     return out
 
 
+# inputs per activation step of the coordinates' integer product: x is rounded to int8 in
+# groups of this many inputs, each with its own step (max |x| of the group -> 127). The
+# RMSNorm output rotated here has a few channels ~50x the rest; one step per row would round
+# the others to a handful of levels
+ROTATION_ACT_GROUP = 64
+# how rotated coordinates are computed, kept with thresholds calibrated on them: cached rotated
+# thresholds made another way (fp32 x times int8 Q) are calibrated again
+ROTATED_COORDINATES = f"int8 x per {ROTATION_ACT_GROUP} inputs, int8 Q per column"
+
+
 def kernel_rotation(rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q as the kernel reads it to compute the coordinates: int8 with a scale per column of Q
     (a quarter of fp32's bytes: an fp32 Q added ~18% to the reads of SmolLM2's sparse decode
@@ -124,11 +142,66 @@ def kernel_rotation(rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q.T.contiguous(), s.float()
 
 
-def coordinate_rotation(rotation: torch.Tensor) -> torch.Tensor:
-    """The fp32 matrix the kernel's int8 Q stands for: x times it gives the coordinates that
-    are thresholded (the Python reference uses it too, so both mask alike)."""
-    q, s = kernel_rotation(rotation)
-    return q.float() * s[None, :]
+class CoordinateRotation:
+    """The coordinates c = x Q of a rotated input as the decode kernel computes them
+    (csrc/sparse_gemv.cpp, with csrc/w8a8_gemm.cpp's integer product): Q in int8 with a scale
+    per column (``kernel_rotation``), x rounded to int8 per group of ``group`` inputs (round
+    half even, step = max |x| / 127: the W8A8 kernel's rounding), exact integer sums per group,
+    rescaled and added over the groups in fp32. An integer dot takes 32 products in 1
+    instruction with VNNI and 4 with AVX2 where converting int8 Q to fp32 first took ~3 per 8.
+    The masks (masking.py) and calibration (calibrate.py) use ``coordinates`` so that all three
+    threshold the same numbers.
+
+        x [rows, d] --pad--> [rows, groups, group] --round(x / step)--> int8
+        c[r, j] = sum over groups g of  step[r, g] * s[j] * sum_{k in g} x8[r, k] * q[k, j]
+    """
+
+    def __init__(self, rotation: torch.Tensor) -> None:
+        self.codes, self.scales = kernel_rotation(rotation)          # [d, d] input-major, [d]
+        self.dim = self.codes.shape[0]
+        self.group = (ROTATION_ACT_GROUP if self.dim >= ROTATION_ACT_GROUP
+                      else -(-self.dim // 4) * 4)
+        self.padded = -(-self.dim // self.group) * self.group
+
+    def coordinates(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+        d, g = self.dim, self.group
+        rows = x.reshape(-1, d).float()
+        grouped = F.pad(rows, (0, self.padded - d)).view(rows.shape[0], -1, g)
+        step = grouped.abs().amax(dim=-1).clamp_min(1e-12) / 127
+        x8 = torch.round(grouped / step[..., None]).clamp_(-127, 127)
+        q = F.pad(self.codes.to(x.device), (0, 0, 0, self.padded - d)).view(-1, g, d)
+        # float64 holds every group's integer sum exactly (|sum| < 127^2 * 1536 < 2^53)
+        sums = torch.einsum("rgk,gkd->rgd", x8.double(), q.double()).float()
+        coords = (sums * self.scales.to(x.device)) * step[..., None]
+        return coords.sum(dim=1).reshape(*x.shape[:-1], d).to(x.dtype)
+
+    def panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q^T in the W8A8 kernel's panels (``pack_w8a8_panels``: output j is coordinate j, Q's
+        column scale repeated for every group): codes, scales, code sums."""
+        import torch.nn.functional as F
+        from kvforge.kernels.ops import pack_w8a8_panels
+        codes = F.pad(self.codes.T, (0, self.padded - self.dim)).contiguous()   # [d, Kp]
+        scales = self.scales[:, None].expand(self.dim, self.padded // self.group).contiguous()
+        return pack_w8a8_panels(codes, scales)
+
+
+def kernel_rotations(ops, rotations: list[torch.Tensor]) -> list:
+    """The compiled x -> coordinates product of each rotation (``ops.W8A8Projection``), their
+    panels in huge-page buffers in layer order (kernels/huge_pages.py): on the 1.5B the 28
+    layers' Q are 66 MB, and in 4 KiB pages their reads cost the decode step ~0.4 ms a layer
+    in TLB misses on the Xeon VM (0.25 ms with the codes in huge pages, less with all)."""
+    from kvforge.kernels.huge_pages import huge_page_zeros
+    parts = [CoordinateRotation(q) for q in rotations]
+    packed = [r.panels() for r in parts]
+    buffers = [huge_page_zeros([tuple(p[i].shape) for p in packed], packed[0][i].dtype, "cpu")
+               for i in range(3)]
+    out = []
+    for r, tensors, *resident in zip(parts, packed, *buffers):
+        for dst, src in zip(resident, tensors):
+            dst.copy_(src)
+        out.append(ops.W8A8Projection(*resident, r.dim, r.dim))
+    return out
 
 
 def rotated_rows(weight: torch.Tensor, scales: torch.Tensor | None, rotation: torch.Tensor

@@ -8,9 +8,10 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.sparsity.calibrate import calibrate
-from kvforge.sparsity.rotation import (ROTATED_KINDS, coordinate_rotation, kernel_rotation,
-                                      principal_axes, rotated_rows)
+from kvforge.sparsity.rotation import (ROTATED_KINDS, ROTATION_ACT_GROUP, CoordinateRotation,
+                                      kernel_rotations, principal_axes, rotated_rows)
 from tests.kernels.test_cpu_kernels import needs_kernels
+from tests.kernels.test_w8a8_gemm import dots_of
 from tests.sparsity.test_sparse_decode import (_llm, assert_int8_stack_near_masked_layers,
                                                assert_stack_equals_masked_layers)
 from tests.sparsity.test_sparse_kernels import compiled  # noqa: F401 (the per-ISA fixture)
@@ -61,9 +62,13 @@ def _threshold(values, level):
 @pytest.mark.parametrize("shape", [(960, 576), (45, 37)])        # (out, in)
 @pytest.mark.parametrize("int8", [False, True])
 def test_rotated_sparse_projection(compiled, rows, shape, int8):
+    """The kernel's coordinates are CoordinateRotation's (to float rounding, with every int8
+    dot this CPU runs) and its output the masked coordinates times W Q; at threshold 0 that is
+    W x again, up to the int8 rounding of Q and of x."""
     torch.manual_seed(rows + shape[1])
     out, k = shape
     w, b, x = torch.randn(out, k), torch.randn(out), torch.randn(rows, k)
+    x[:, 3] *= 30                                       # an outlier channel, as RMSNorm's have
     q = torch.linalg.qr(torch.randn(k, k))[0].contiguous()
     scales = None
     if int8:
@@ -72,36 +77,74 @@ def test_rotated_sparse_projection(compiled, rows, shape, int8):
         scales = s.float()
     wq, sq = rotated_rows(w, scales, q)
     dense_wq = wq.float() if sq is None else wq.float() * sq[:, None]
-    kq, kq_scales = kernel_rotation(q)                  # int8, a scale per column
-    assert kq.dtype == torch.int8
-    dense_q = coordinate_rotation(q)
-    torch.testing.assert_close(dense_q, kq.float() * kq_scales[None, :])
-    assert (dense_q - q).abs().max() < 0.01 * q.abs().max()
-    coords = x @ dense_q
+    rotation = CoordinateRotation(q)
+    assert rotation.codes.dtype == torch.int8
+    coords = rotation.coordinates(x)
+    exact = x @ q
+    assert (coords - exact).abs().max() < 0.03 * exact.abs().max()
     t = _threshold(coords, 0.5)
-    sp = compiled.SparseProjection(wq.t().contiguous(), t, scales=sq, bias=b, rotation=kq,
-                                   rotation_scales=kq_scales)
-    assert sp.rotated
-    y = sp.forward(x)
-    torch.testing.assert_close(y, (coords * (coords.abs() > t)) @ dense_wq.t() + b,
-                               rtol=1e-4, atol=2e-3)
-    # threshold 0: every coordinate kept, and (W Q)(Q'^T x) is W x again, up to Q' = int8 Q
-    full = compiled.SparseProjection(wq.t().contiguous(), 0.0, scales=sq, bias=b, rotation=kq,
-                                     rotation_scales=kq_scales)
     w_dense = w.float() if scales is None else w.float() * scales[:, None]
-    tol = 0.02 * float((x @ w_dense.t()).abs().max()) * (1 if scales is None else 2.5)
-    torch.testing.assert_close(full.forward(x), x @ w_dense.t() + b, rtol=0, atol=tol)
+    tol = 0.03 * float((x @ w_dense.t()).abs().max()) * (1 if scales is None else 2.5)
+    for name, dot in dots_of(compiled):
+        sp = compiled.SparseProjection(wq.t().contiguous(), t, scales=sq, bias=b,
+                                       rotation=kernel_rotations(compiled, [q])[0], rotation_dot=dot)
+        assert sp.rotated
+        torch.testing.assert_close(sp.forward(x), (coords * (coords.abs() > t)) @ dense_wq.t() + b,
+                                   rtol=1e-4, atol=2e-3, msg=name)
+        full = compiled.SparseProjection(wq.t().contiguous(), 0.0, scales=sq, bias=b,
+                                         rotation=kernel_rotations(compiled, [q])[0],
+                                         rotation_dot=dot)
+        torch.testing.assert_close(full.forward(x), x @ w_dense.t() + b, rtol=0, atol=tol,
+                                   msg=name)
+
+
+def test_coordinates_round_x_per_group():
+    """CoordinateRotation rounds x to int8 per group of ROTATION_ACT_GROUP inputs: an outlier
+    coarsens only its own group, and with Q = I (exact in int8) each coordinate is x rounded
+    to its group's step (times Q's int8 scale, 1/127 held in fp16: within 1e-4)."""
+    d = 2 * ROTATION_ACT_GROUP
+    x = torch.randn(2, d)
+    x[0, 0] = 100.0
+    rotation = CoordinateRotation(torch.eye(d))
+    coords = rotation.coordinates(x)
+    for r in range(2):
+        for g in range(2):
+            part = x[r, g * ROTATION_ACT_GROUP:(g + 1) * ROTATION_ACT_GROUP]
+            step = part.abs().max() / 127
+            torch.testing.assert_close(coords[r, g * ROTATION_ACT_GROUP:(g + 1) * ROTATION_ACT_GROUP],
+                                       torch.round(part / step) * step, rtol=2e-4, atol=0)
+    # the outlier's group is rounded coarsely, the other group finely
+    assert (coords[0, 64:] - x[0, 64:]).abs().max() < 0.05 * (coords[0, 1:64] - x[0, 1:64]).abs().max()
 
 
 @needs_kernels
-def test_rotation_of_the_wrong_shape_is_refused(compiled):
+def test_kernel_rotations_compute_each_layers_coordinates(compiled):
+    """One call packs every layer's Q (in shared huge-page buffers when large enough); each
+    compiled product gives that layer's CoordinateRotation coordinates."""
+    d = 576                                   # 3 layers x 576^2 int8: past one 2 MiB page
+    g = torch.Generator().manual_seed(5)
+    qs = [torch.linalg.qr(torch.randn(d, d, generator=g))[0] for _ in range(3)]
+    x = torch.randn(2, d, generator=g)
+    x[:, 7] *= 40
+    for q, product in zip(qs, kernel_rotations(compiled, qs)):
+        expected = CoordinateRotation(q).coordinates(x)
+        for name, dot in dots_of(compiled):
+            torch.testing.assert_close(product.forward(x, True, dot), expected, rtol=1e-5,
+                                       atol=1e-5 * float(expected.abs().max()), msg=name)
+
+
+@needs_kernels
+def test_bad_rotations_are_refused(compiled):
     w_t = torch.randn(8, 16)                      # input-major: 8 inputs, 16 outputs
-    with pytest.raises(RuntimeError, match=r"rotation must be a contiguous \[8, 8\] matrix"):
-        compiled.SparseProjection(w_t, 0.1, rotation=torch.eye(16))
-    with pytest.raises(RuntimeError, match="an int8 weight needs its scales"):
-        compiled.SparseProjection(w_t, 0.1, rotation=torch.eye(8).to(torch.int8))
-    with pytest.raises(RuntimeError, match="rotation scales without a rotation"):
-        compiled.SparseProjection(w_t, 0.1, rotation_scales=torch.ones(8))
+    wrong = kernel_rotations(compiled, [torch.eye(16)])[0]
+    with pytest.raises(RuntimeError, match="rotation must map 8 inputs to as many coordinates, "
+                                           "got 16 -> 16"):
+        compiled.SparseProjection(w_t, 0.1, rotation=wrong)
+    right = kernel_rotations(compiled, [torch.eye(8)])[0]
+    with pytest.raises(RuntimeError, match="rotation_dot 7 is not an int8 dot"):
+        compiled.SparseProjection(w_t, 0.1, rotation=right, rotation_dot=7)
+    assert compiled.SparseProjection(w_t, 0.1, rotation=right).rotated
+    assert not compiled.SparseProjection(w_t, 0.1).rotated
 
 
 def _rotated_thresholds(llm, sparsity):
@@ -194,6 +237,15 @@ def test_rotations_cached_once_per_model(tiny_model_factory, tmp_path, monkeypat
     other = cache.load_or_calibrate(model, source, 0.4, "teal", "none", "uniform",
                                     rotation="pca")          # another S: the same axes
     assert torch.equal(other.rotations["gate_up"][0], first.rotations["gate_up"][0])
+    # rotated thresholds of coordinates computed another way (before int8 x) are not used
+    import json
+    path = next((tmp_path / "sparsity").rglob("teal-uniform-pca-S0.500.json"))
+    saved = json.loads(path.read_text())
+    assert saved["calibration"]["coordinates"] == rotation_mod.ROTATED_COORDINATES
+    del saved["calibration"]["coordinates"]
+    path.write_text(json.dumps(saved))
+    assert cache.load_thresholds(first.calibration["model"], "teal", 0.5, "uniform",
+                                 "pca") is None
     # thresholds whose axes are gone are not used: calibrated again (and fail here)
     next((tmp_path / "sparsity").rglob("rotations-pca.safetensors")).unlink()
     assert cache.load_thresholds(first.calibration["model"], "teal", 0.5, "uniform",

@@ -14,8 +14,8 @@
 #include "linear.cpp"
 #include "linear_plan.cpp"
 #include "quest.cpp"
-#include "sparse_gemv.cpp"
 #include "w8a8_gemm.cpp"
+#include "sparse_gemv.cpp"    // after w8a8_gemm.cpp: a rotated projection's x Q is a W8A8 product
 #include "decode_stack.cpp"   // last: its projections run the kernels above
 
 // Every op releases the GIL while it runs, so other Python threads (swap copies) overlap it.

@@ -18,12 +18,17 @@
 // Weights are fp32, or int8 with a scale per output column (W = q * s[n], quant/int8.py).
 //
 // Rotated inputs (kvforge/sparsity/rotation.py): a projection may carry an orthogonal Q [in, in]
-// (the PCA basis of its input on calibration text; int8 with a scale per column, or fp32).
-// Then y = W x = (W Q)(Q^T x): the team computes x' = x Q densely (a projection of its own,
-// every input kept, with its own claims), thresholds x', and reads the kept rows of (W Q)^T. In that basis a few components carry most of the energy, so
-// zeroing the small ones loses far less than zeroing small entries of x itself.
+// (the PCA basis of its input on calibration text). Then y = W x = (W Q)(Q^T x): the team
+// computes x' = x Q densely, thresholds x', and reads the kept rows of (W Q)^T. In that basis a
+// few components carry most of the energy, so zeroing the small ones loses far less than
+// zeroing small entries of x itself. x Q is an integer product (w8a8_gemm.cpp's
+// W8A8Projection over Q^T in int8, x rounded to int8 per group of inputs: rotation.py's
+// CoordinateRotation): every thread rounds all of x itself (a few hundred values: cheaper than
+// a hand-off), the team shares Q's panels of 8 coordinates, a barrier, and every thread reads
+// all of x' to gather the kept ones.
 //
-//   x [rows, in] --(x Q, dense; barrier)--> x' [rows, in] --(mask_t, kept rows of (WQ)^T)--> y
+//   x [rows, in] --(int8 x . int8 Q^T panels; barrier)--> x' [rows, in]
+//                --(mask_t, kept rows of (W Q)^T)--> y
 //
 // CATS (CatsMlp): the mask comes from |silu(gate)|: gate is computed densely (rows-major
 // gate_up copy), then up only for the kept channels (contiguous rows of the same copy) and down
@@ -39,6 +44,7 @@ constexpr int64_t kSparseRowsMax = 4;     // few-row steps; more rows run dense
 constexpr int64_t kSparsePrefetch = 4;    // kept rows ahead (software: the rows are scattered)
 constexpr int64_t kSparseChunk = 64;      // kept rows per claim, at most
 constexpr int kSparseTeamMax = 1024;      // threads a team may have (partial sums' table)
+constexpr int64_t kRotationChunk = 4;     // a rotation's units (2 panels of 8 coordinates) per claim
 
 namespace {
 
@@ -164,22 +170,20 @@ class SparseProjection {
  public:
   SparseProjection(at::Tensor weight_t, double threshold, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> bias,
-                   c10::optional<at::Tensor> rotation = c10::nullopt,
-                   c10::optional<at::Tensor> rotation_scales = c10::nullopt)
-      : w_(TypedWeight::from(weight_t, scales)), threshold_(static_cast<float>(threshold)) {
+                   c10::optional<W8A8Projection> rotation = c10::nullopt,
+                   int64_t rotation_dot = kDotMaddubs)
+      : w_(TypedWeight::from(weight_t, scales)), threshold_(static_cast<float>(threshold)),
+        rotation_dot_(rotation_dot) {
     TORCH_CHECK(threshold >= 0, "threshold must be >= 0, got ", threshold);
     if (rotation.has_value()) {
-      TORCH_CHECK(rotation->dim() == 2 && rotation->size(0) == in_features() &&
-                      rotation->size(1) == in_features() && rotation->is_contiguous(),
-                  "rotation must be a contiguous [", in_features(), ", ", in_features(),
-                  "] matrix, got ", rotation->sizes());
-      // x' = x Q: Q's row i is input i's contribution, the input-major layout of a projection
-      // (fp32, or int8 with a scale per column of Q beside int8 weights)
-      rotation_ = std::make_unique<SparseProjection>(*rotation, 0.0, rotation_scales,
-                                                     c10::nullopt);
+      TORCH_CHECK(rotation->in_features() == in_features() &&
+                      rotation->out_features() == in_features(),
+                  "rotation must map ", in_features(), " inputs to as many coordinates, got ",
+                  rotation->in_features(), " -> ", rotation->out_features());
+      TORCH_CHECK(w8a8_dot_supported(rotation_dot), "rotation_dot ", rotation_dot,
+                  " is not an int8 dot this CPU / build has");
+      rotation_ = std::make_unique<W8A8Projection>(*rotation);
       rotated_.resize(kSparseRowsMax * in_features());
-    } else {
-      TORCH_CHECK(!rotation_scales.has_value(), "rotation scales without a rotation");
     }
     if (w_.scale.defined())
       TORCH_CHECK(w_.scale.numel() == out_features(), "int8 scales: one per output column");
@@ -203,8 +207,18 @@ class SparseProjection {
            ShareClaim* claims, ShareClaim* rotation_claims = nullptr) const {
     if (rotation_ != nullptr) {
       TORCH_CHECK(rotation_claims != nullptr, "a rotated projection needs the rotation's claims");
+      thread_local std::vector<int8_t> codes;
+      thread_local std::vector<float> steps;
+      codes.resize(rows * rotation_->padded_in());
+      steps.resize(rows * rotation_->groups());
+      rotation_->quantize_rows(x, xs, 0, rows, true, rotation_dot_ != kDotMaddubs, codes.data(),
+                               steps.data());
       float* xr = rotated_.data();          // every thread gathers from all of x'
-      rotation_->run(x, xs, xr, rows, team, rotation_claims);
+      team.for_shares(rotation_->units(), kRotationChunk, rotation_claims,
+                      [&](int64_t u0, int64_t u1, int64_t) {
+        rotation_->multiply_units(codes.data(), steps.data(), rows, rotation_dot_, u0, u1, xr,
+                                  in_features());
+      });
       team.barrier();
       x = xr;
       xs = in_features();
@@ -267,7 +281,8 @@ class SparseProjection {
   TypedWeight w_;
   at::Tensor bias_;
   float threshold_;
-  std::unique_ptr<SparseProjection> rotation_;    // x -> x Q before the mask; null: none
+  std::unique_ptr<W8A8Projection> rotation_;      // x -> x Q before the mask; null: none
+  int64_t rotation_dot_;                          // its int8 dot (W8A8Dot)
   mutable std::vector<float> rotated_;            // x Q [kSparseRowsMax, in], shared by the team
   // each team thread's partial sums (thread-local buffers), read by all in the reduction; one
   // step runs at a time per model, so one table per projection
@@ -367,12 +382,11 @@ void bind_sparse_gemv(pybind11::module& m) {
   m.attr("sparse_rows_max") = kSparseRowsMax;
   pybind11::class_<SparseProjection>(m, "SparseProjection", pybind11::module_local())
       .def(pybind11::init<at::Tensor, double, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>>(),
+                          c10::optional<at::Tensor>, c10::optional<W8A8Projection>, int64_t>(),
            pybind11::arg("weight_t"), pybind11::arg("threshold"),
            pybind11::arg("scales") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
            pybind11::arg("rotation") = pybind11::none(),
-           pybind11::arg("rotation_scales") = pybind11::none())
+           pybind11::arg("rotation_dot") = static_cast<int64_t>(kDotMaddubs))
       .def_property_readonly("in_features", &SparseProjection::in_features)
       .def_property_readonly("rotated", &SparseProjection::rotated)
       .def_property_readonly("out_features", &SparseProjection::out_features)

@@ -100,6 +100,25 @@ constexpr int kW8A8Rows = 8, kW8A8Panels = 2;
 constexpr int kW8A8Rows = 3, kW8A8Panels = 2;
 #endif
 
+#if defined(__AVX2__)
+template <int R, int P>
+void w8a8_run_tile(int64_t dot, int64_t rows, const W8A8TileArgs& a) {
+#if defined(KVFORGE_W8A8_VNNI)
+  switch (dot) {
+    case kDotAvxVnni:
+      return w8a8_avxvnni::tile_rows<R, P>(rows, a);
+    case kDotAvx512Vnni:
+      return w8a8_avx512vnni::tile_rows<R, P>(rows, a);
+    default:
+      return w8a8_maddubs::tile_rows<R, P>(rows, a);
+  }
+#else
+  (void)dot;
+  return w8a8_maddubs::tile_rows<R, P>(rows, a);
+#endif
+}
+#endif
+
 }  // namespace
 
 class W8A8Projection {
@@ -145,6 +164,8 @@ class W8A8Projection {
 
   int64_t in_features() const { return k_; }
   int64_t out_features() const { return n_; }
+  int64_t padded_in() const { return kp_; }      // Kp: a row of quantize_rows' codes
+  int64_t groups() const { return groups_; }     // a row's steps
 
   // y [T, n] = x [T, K] times the weight; dot: a W8A8Dot this CPU has (w8a8_dot_supported)
   at::Tensor forward(const at::Tensor& x_in, bool act_groups, int64_t dot) const {
@@ -159,36 +180,104 @@ class W8A8Projection {
     if (rows == 0) return y;
     std::vector<int8_t> codes(rows * kp_);
     std::vector<float> steps(rows * groups_);
-    quantize(x.data_ptr<float>(), rows, act_groups, dot != kDotMaddubs, codes.data(),
-             steps.data());
-    multiply(codes.data(), steps.data(), rows, dot, y.data_ptr<float>());
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      quantize_rows(x.data_ptr<float>(), k_, r0, r1, act_groups, dot != kDotMaddubs,
+                    codes.data(), steps.data());
+    });
+    at::parallel_for(0, units(), 1, [&](int64_t u0, int64_t u1) {
+      multiply_units(codes.data(), steps.data(), rows, dot, u0, u1, y.data_ptr<float>(), n_);
+    });
     return y;
   }
 
- private:
-  // codes [rows][Kp] (VNNI: + 128, stored as the byte ^ 0x80), steps [rows][groups]
-  void quantize(const float* x, int64_t rows, bool act_groups, bool unsigned_codes,
-                int8_t* codes, float* steps) const {
+  // The two halves of forward for a caller that shares the work out itself (a team's threads:
+  // SparseProjection's rotation). Codes [rows][Kp] (VNNI: + 128, stored as the byte ^ 0x80),
+  // steps [rows][groups]; rows r0 .. r1 of x (row stride xs) quantized here, serially.
+  void quantize_rows(const float* x, int64_t xs, int64_t r0, int64_t r1, bool act_groups,
+                     bool unsigned_codes, int8_t* codes, float* steps) const {
     const int8_t flip = unsigned_codes ? static_cast<int8_t>(0x80) : 0;
-    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* xr = x + r * k_;
-        int8_t* qr = codes + r * kp_;
-        float* sr = steps + r * groups_;
-        const int64_t span = act_groups ? group_ : kp_;
-        for (int64_t g0 = 0; g0 < kp_; g0 += span) {
-          const int64_t end = std::min(g0 + span, k_);
-          float amax = 0.f;
-          for (int64_t k = g0; k < end; ++k) amax = std::max(amax, std::fabs(xr[k]));
-          const float step = std::max(amax, 1e-12f) / 127.f;
-          for (int64_t g = g0 / group_; g < (g0 + span) / group_; ++g) sr[g] = step;
-          round_codes(xr + g0, std::max<int64_t>(end - g0, 0), step, qr + g0, flip);
-          for (int64_t k = std::max(end, g0); k < g0 + span; ++k) qr[k] = flip;
-        }
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * xs;
+      int8_t* qr = codes + r * kp_;
+      float* sr = steps + r * groups_;
+      const int64_t span = act_groups ? group_ : kp_;
+      for (int64_t g0 = 0; g0 < kp_; g0 += span) {
+        const int64_t end = std::min(g0 + span, k_);
+        float amax = 0.f;
+        for (int64_t k = g0; k < end; ++k) amax = std::max(amax, std::fabs(xr[k]));
+        const float step = std::max(amax, 1e-12f) / 127.f;
+        for (int64_t g = g0 / group_; g < (g0 + span) / group_; ++g) sr[g] = step;
+        round_codes(xr + g0, std::max<int64_t>(end - g0, 0), step, qr + g0, flip);
+        for (int64_t k = std::max(end, g0); k < g0 + span; ++k) qr[k] = flip;
       }
-    });
+    }
   }
 
+  // units of kW8A8Panels panels (8 output columns each): what multiply_units shares out
+  int64_t units() const { return (panels_ + kW8A8Panels - 1) / kW8A8Panels; }
+
+  // y [rows, n] (row stride ys), the columns of units u0 .. u1, from quantize_rows' codes
+  void multiply_units(const int8_t* codes, const float* steps, int64_t rows, int64_t dot,
+                      int64_t u0, int64_t u1, float* y, int64_t ys) const {
+#if defined(__AVX2__)
+    // All rows in one pass: each unit of panels streams every row's codes (a 512-row chunk of
+    // an 8960-wide input: 4.6 MB). Passes of L2-sized row blocks timed the same on the Xeon
+    // (1536 x 8960 at 512 rows: 27.2 ms either way, fp32 46.5), whose L3 holds the codes.
+    constexpr int R = kW8A8Rows, P = kW8A8Panels;
+    const int8_t* w_codes = codes_.data_ptr<int8_t>();
+    const float* w_scales = scales_.data_ptr<float>();
+    const int32_t* w_sums = code_sums_.data_ptr<int32_t>();
+    float tile_out[R * P * 8];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p0 = u * P, np = std::min<int64_t>(P, panels_ - p0);
+      for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int64_t nr = std::min<int64_t>(R, rows - r0);
+        const W8A8TileArgs a{codes + r0 * kp_, kp_, steps + r0 * groups_,
+                             w_codes + p0 * kp_ * 8, w_scales + p0 * groups_ * 8,
+                             w_sums + p0 * groups_ * 8, groups_, group_ / 4, tile_out, P * 8};
+        if (np == P) {
+          w8a8_run_tile<R, P>(dot, nr, a);
+        } else {            // the last unit's remaining panels, one at a time
+          for (int64_t p = 0; p < np; ++p) {
+            W8A8TileArgs one = a;
+            one.w_codes += p * kp_ * 8;
+            one.w_scales += p * groups_ * 8;
+            one.code_sums += p * groups_ * 8;
+            one.out += 8 * p;
+            w8a8_run_tile<R, 1>(dot, nr, one);
+          }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          float* out = y + (r0 + r) * ys;
+          for (int64_t c = 8 * p0; c < std::min(8 * (p0 + np), n_); ++c)
+            out[c] = tile_out[r * P * 8 + c - 8 * p0] + (bias_.empty() ? 0.f : bias_[c]);
+        }
+      }
+    }
+#else
+    // portable: the same int32 sums, scalar
+    const int8_t* w_codes = codes_.data_ptr<int8_t>();
+    const float* w_scales = scales_.data_ptr<float>();
+    const int64_t c1 = std::min(8 * u1 * kW8A8Panels, n_);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 8 * u0 * kW8A8Panels; c < c1; ++c) {
+        const int64_t p = c / 8, cc = c % 8;
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups_; ++g) {
+          int32_t sum = 0;
+          for (int64_t k = g * group_; k < (g + 1) * group_; ++k)
+            sum += int32_t{w_codes[p * kp_ * 8 + (k / 4) * 32 + 4 * cc + k % 4]} *
+                   int32_t{codes[r * kp_ + k]};
+          acc = std::fma(static_cast<float>(sum) * w_scales[(p * groups_ + g) * 8 + cc],
+                         steps[r * groups_ + g], acc);
+        }
+        y[r * ys + c] = acc + (bias_.empty() ? 0.f : bias_[c]);
+      }
+    (void)dot;
+#endif
+  }
+
+ private:
   // q[i] = clamp(round-half-even(x[i] / step), +-127) ^ flip
   static void round_codes(const float* x, int64_t n, float step, int8_t* q, int8_t flip) {
     int64_t i = 0;
@@ -208,95 +297,6 @@ class W8A8Projection {
       q[i] = static_cast<int8_t>(static_cast<int32_t>(v)) ^ flip;
     }
   }
-
-  void multiply(const int8_t* codes, const float* steps, int64_t rows, int64_t dot,
-                float* y) const {
-#if defined(__AVX2__)
-    // All rows in one pass: each unit of panels streams every row's codes (a 512-row chunk of
-    // an 8960-wide input: 4.6 MB). Passes of L2-sized row blocks timed the same on the Xeon
-    // (1536 x 8960 at 512 rows: 27.2 ms either way, fp32 46.5), whose L3 holds the codes.
-    multiply_rows(codes, steps, rows, dot, y);
-#else
-    // portable: the same int32 sums, scalar
-    const int8_t* w_codes = codes_.data_ptr<int8_t>();
-    const float* w_scales = scales_.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < n_; ++c) {
-        const int64_t p = c / 8, cc = c % 8;
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups_; ++g) {
-          int32_t sum = 0;
-          for (int64_t k = g * group_; k < (g + 1) * group_; ++k)
-            sum += int32_t{w_codes[p * kp_ * 8 + (k / 4) * 32 + 4 * cc + k % 4]} *
-                   int32_t{codes[r * kp_ + k]};
-          acc = std::fma(static_cast<float>(sum) * w_scales[(p * groups_ + g) * 8 + cc],
-                         steps[r * groups_ + g], acc);
-        }
-        y[r * n_ + c] = acc + (bias_.empty() ? 0.f : bias_[c]);
-      }
-    (void)dot;
-#endif
-  }
-
-#if defined(__AVX2__)
-  // y: the threads share units of P panels, each unit times every row
-  void multiply_rows(const int8_t* codes, const float* steps, int64_t rows, int64_t dot,
-                     float* y) const {
-    constexpr int R = kW8A8Rows, P = kW8A8Panels;
-    const int8_t* w_codes = codes_.data_ptr<int8_t>();
-    const float* w_scales = scales_.data_ptr<float>();
-    const int32_t* w_sums = code_sums_.data_ptr<int32_t>();
-    const int64_t units = (panels_ + P - 1) / P;
-    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-      float tile_out[R * P * 8];
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t p0 = u * P, np = std::min<int64_t>(P, panels_ - p0);
-        for (int64_t r0 = 0; r0 < rows; r0 += R) {
-          const int64_t nr = std::min<int64_t>(R, rows - r0);
-          const W8A8TileArgs a{codes + r0 * kp_, kp_, steps + r0 * groups_,
-                               w_codes + p0 * kp_ * 8, w_scales + p0 * groups_ * 8,
-                               w_sums + p0 * groups_ * 8, groups_, group_ / 4, tile_out, P * 8};
-          if (np == P) {
-            run_tile<R, P>(dot, nr, a);
-          } else {            // the last unit's remaining panels, one at a time
-            for (int64_t p = 0; p < np; ++p) {
-              W8A8TileArgs one = a;
-              one.w_codes += p * kp_ * 8;
-              one.w_scales += p * groups_ * 8;
-              one.code_sums += p * groups_ * 8;
-              one.out += 8 * p;
-              run_tile<R, 1>(dot, nr, one);
-            }
-          }
-          for (int64_t r = 0; r < nr; ++r) {
-            float* out = y + (r0 + r) * n_;
-            for (int64_t c = 8 * p0; c < std::min(8 * (p0 + np), n_); ++c)
-              out[c] = tile_out[r * P * 8 + c - 8 * p0] + (bias_.empty() ? 0.f : bias_[c]);
-          }
-        }
-      }
-    });
-  }
-#endif
-
-#if defined(__AVX2__)
-  template <int R, int P>
-  static void run_tile(int64_t dot, int64_t rows, const W8A8TileArgs& a) {
-#if defined(KVFORGE_W8A8_VNNI)
-    switch (dot) {
-      case kDotAvxVnni:
-        return w8a8_avxvnni::tile_rows<R, P>(rows, a);
-      case kDotAvx512Vnni:
-        return w8a8_avx512vnni::tile_rows<R, P>(rows, a);
-      default:
-        return w8a8_maddubs::tile_rows<R, P>(rows, a);
-    }
-#else
-    (void)dot;
-    return w8a8_maddubs::tile_rows<R, P>(rows, a);
-#endif
-  }
-#endif
 
   at::Tensor codes_, scales_, code_sums_;
   int64_t n_ = 0, k_ = 0, kp_ = 0, groups_ = 0, group_ = 0, panels_ = 0;
