@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--load", type=float, default=0.9)
     args = p.parse_args(argv)
-    from benchmarks.workload import sample_sharegpt_requests
+    from kvforge.bench.sharegpt import sample_sharegpt_requests
     from kvforge.loader.source import load_model_source
     encode = load_model_source(None).load_tokenizer().encode
     samples = {s: [(len(r.prompt_token_ids), r.output_len) for r in sample_sharegpt_requests(

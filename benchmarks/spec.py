@@ -52,7 +52,7 @@ if __package__ in (None, ""):                       # run as a script: make the 
 from benchmarks.common import setup_threads
 from benchmarks.hardware import hardware_line
 from benchmarks.report import format_table
-from benchmarks.workload import sample_sharegpt_requests
+from kvforge.bench.sharegpt import sample_sharegpt_requests
 
 _CODE = '''def total_price(items, tax_rate):
     total = 0

