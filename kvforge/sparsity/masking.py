@@ -4,8 +4,8 @@ the compiled sparse decode is tested against, and what ``kvforge eval perplexity
 
 TEAL masks the input of each projection, ``x * (|x| > t)``, or for a rotated input
 (rotation.py) its coordinates c = x Q in the principal axes (as the kernel computes them:
-rotation.CoordinateRotation) and back, ``(c * (|c| > t)) Q^T``: W of that equals (W Q) times the masked
-coordinates, what the decode twin computes. CATS multiplies the MLP's activation
+rotation.CoordinateRotation) and back, ``(c * (|c| > t)) Q^T``: W of that equals (W Q) times
+the masked coordinates, what the decode twin computes. CATS multiplies the MLP's activation
 ``silu(gate) * up`` by ``|silu(gate)| > t``. Both count what they zero, per kind.
 """
 from __future__ import annotations

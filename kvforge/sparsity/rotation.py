@@ -36,6 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.sparsity.masking import llama_projections
 
@@ -164,7 +165,6 @@ class CoordinateRotation:
         self.padded = -(-self.dim // self.group) * self.group
 
     def coordinates(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F
         d, g = self.dim, self.group
         rows = x.reshape(-1, d).float()
         grouped = F.pad(rows, (0, self.padded - d)).view(rows.shape[0], -1, g)
@@ -179,7 +179,6 @@ class CoordinateRotation:
     def panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q^T in the W8A8 kernel's panels (``pack_w8a8_panels``: output j is coordinate j, Q's
         column scale repeated for every group): codes, scales, code sums."""
-        import torch.nn.functional as F
         from kvforge.kernels.ops import pack_w8a8_panels
         codes = F.pad(self.codes.T, (0, self.padded - self.dim)).contiguous()   # [d, Kp]
         scales = self.scales[:, None].expand(self.dim, self.padded // self.group).contiguous()
@@ -189,9 +188,11 @@ class CoordinateRotation:
 def kernel_rotations(ops, rotations: list[torch.Tensor]) -> list:
     """The compiled x -> coordinates product of each rotation (``ops.W8A8Projection``), their
     panels in huge-page buffers in layer order (kernels/huge_pages.py): on the 1.5B the 28
-    layers' Q are 66 MB, and in 4 KiB pages their reads cost the decode step ~0.4 ms a layer
-    in TLB misses on the Xeon VM (0.25 ms with the codes in huge pages, less with all)."""
+    layers' Q are 66 MB, and in 4 KiB pages the rotation cost the decode step ~0.39 ms a layer
+    on the Xeon VM (TLB misses), 0.22 ms in huge pages."""
     from kvforge.kernels.huge_pages import huge_page_zeros
+    if not rotations:
+        return []
     parts = [CoordinateRotation(q) for q in rotations]
     packed = [r.panels() for r in parts]
     buffers = [huge_page_zeros([tuple(p[i].shape) for p in packed], packed[0][i].dtype, "cpu")

@@ -85,15 +85,15 @@ def test_rotated_sparse_projection(compiled, rows, shape, int8):
     t = _threshold(coords, 0.5)
     w_dense = w.float() if scales is None else w.float() * scales[:, None]
     tol = 0.03 * float((x @ w_dense.t()).abs().max()) * (1 if scales is None else 2.5)
+    product = kernel_rotations(compiled, [q])[0]
     for name, dot in dots_of(compiled):
-        sp = compiled.SparseProjection(wq.t().contiguous(), t, scales=sq, bias=b,
-                                       rotation=kernel_rotations(compiled, [q])[0], rotation_dot=dot)
+        sp = compiled.SparseProjection(wq.t().contiguous(), t, scales=sq, bias=b, rotation=product,
+                                       rotation_dot=dot)
         assert sp.rotated
-        torch.testing.assert_close(sp.forward(x), (coords * (coords.abs() > t)) @ dense_wq.t() + b,
-                                   rtol=1e-4, atol=2e-3, msg=name)
+        masked = (coords * (coords.abs() > t)) @ dense_wq.t() + b
+        torch.testing.assert_close(sp.forward(x), masked, rtol=1e-4, atol=2e-3, msg=name)
         full = compiled.SparseProjection(wq.t().contiguous(), 0.0, scales=sq, bias=b,
-                                         rotation=kernel_rotations(compiled, [q])[0],
-                                         rotation_dot=dot)
+                                         rotation=product, rotation_dot=dot)
         torch.testing.assert_close(full.forward(x), x @ w_dense.t() + b, rtol=0, atol=tol,
                                    msg=name)
 
@@ -102,19 +102,18 @@ def test_coordinates_round_x_per_group():
     """CoordinateRotation rounds x to int8 per group of ROTATION_ACT_GROUP inputs: an outlier
     coarsens only its own group, and with Q = I (exact in int8) each coordinate is x rounded
     to its group's step (times Q's int8 scale, 1/127 held in fp16: within 1e-4)."""
-    d = 2 * ROTATION_ACT_GROUP
-    x = torch.randn(2, d)
+    g = ROTATION_ACT_GROUP
+    x = torch.randn(2, 2 * g)
     x[0, 0] = 100.0
-    rotation = CoordinateRotation(torch.eye(d))
-    coords = rotation.coordinates(x)
+    coords = CoordinateRotation(torch.eye(2 * g)).coordinates(x)
     for r in range(2):
-        for g in range(2):
-            part = x[r, g * ROTATION_ACT_GROUP:(g + 1) * ROTATION_ACT_GROUP]
+        for i in range(2):
+            part = x[r, i * g:(i + 1) * g]
             step = part.abs().max() / 127
-            torch.testing.assert_close(coords[r, g * ROTATION_ACT_GROUP:(g + 1) * ROTATION_ACT_GROUP],
+            torch.testing.assert_close(coords[r, i * g:(i + 1) * g],
                                        torch.round(part / step) * step, rtol=2e-4, atol=0)
     # the outlier's group is rounded coarsely, the other group finely
-    assert (coords[0, 64:] - x[0, 64:]).abs().max() < 0.05 * (coords[0, 1:64] - x[0, 1:64]).abs().max()
+    assert (coords[0, g:] - x[0, g:]).abs().max() < 0.05 * (coords[0, 1:g] - x[0, 1:g]).abs().max()
 
 
 @needs_kernels

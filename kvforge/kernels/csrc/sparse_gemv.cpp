@@ -44,7 +44,7 @@ constexpr int64_t kSparseRowsMax = 4;     // few-row steps; more rows run dense
 constexpr int64_t kSparsePrefetch = 4;    // kept rows ahead (software: the rows are scattered)
 constexpr int64_t kSparseChunk = 64;      // kept rows per claim, at most
 constexpr int kSparseTeamMax = 1024;      // threads a team may have (partial sums' table)
-constexpr int64_t kRotationChunk = 4;     // a rotation's units (2 panels of 8 coordinates) per claim
+constexpr int64_t kRotationChunk = 4;     // rotation units (w8a8: 2 panels of 8 coords) a claim
 
 namespace {
 
