@@ -21,7 +21,7 @@ Cost: x Q is one dense d x d product per layer and decode step (576^2 on the 135
 layer's weights in fp32), paid where the skipped rows save more. It is an integer product
 (``CoordinateRotation``: int8 Q per column, x rounded to int8 per group of 64 inputs, the
 W8A8 kernel's dots), ~12 us a layer on the 135M as AVX2 where converting int8 Q to fp32 for
-FMAs took ~50. The decode twin keeps W Q (fp32, or beside int8 weights int8 requantized per
+FMAs takes ~50. The decode twin keeps W Q (fp32, or beside int8 weights int8 requantized per
 output row); the model's own weights, used by prefill, are untouched, so S = 0 and prefill
 are exactly as without rotation.
 
