@@ -187,9 +187,9 @@ class CoordinateRotation:
 
 def kernel_rotations(ops, rotations: list[torch.Tensor]) -> list:
     """The compiled x -> coordinates product of each rotation (``ops.W8A8Projection``), their
-    panels in huge-page buffers in layer order (kernels/huge_pages.py): on the 1.5B the 28
-    layers' Q are 66 MB, and in 4 KiB pages the rotation cost the decode step ~0.39 ms a layer
-    on the Xeon VM (TLB misses), 0.22 ms in huge pages."""
+    panels in huge-page buffers in layer order (kernels/huge_pages.py), like the decode twins:
+    on the 1.5B the 28 layers' Q are 66 MB read every step, and the rotation cost the decode
+    step 0.17 ms a layer in huge pages against 0.21 ms in 4 KiB pages (alternated, Xeon VM)."""
     from kvforge.kernels.huge_pages import huge_page_zeros
     if not rotations:
         return []
