@@ -187,9 +187,8 @@ class CoordinateRotation:
 
 def kernel_rotations(ops, rotations: list[torch.Tensor]) -> list:
     """The compiled x -> coordinates product of each rotation (``ops.W8A8Projection``), their
-    panels in huge-page buffers in layer order (kernels/huge_pages.py), like the decode twins:
-    on the 1.5B the 28 layers' Q are 66 MB read every step, and the rotation cost the decode
-    step 0.17 ms a layer in huge pages against 0.21 ms in 4 KiB pages (alternated, Xeon VM)."""
+    panels in huge-page buffers in layer order (kernels/huge_pages.py), like the decode twins
+    (on the 1.5B the 28 layers' Q are 66 MB, read every decode step)."""
     from kvforge.kernels.huge_pages import huge_page_zeros
     if not rotations:
         return []
