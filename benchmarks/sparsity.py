@@ -39,10 +39,6 @@ from benchmarks.hardware import hardware_line  # noqa: E402
 SPEED_PROMPT = "The old lighthouse keeper climbed the stairs every evening, and"
 
 
-def decode_tok_s(llm, tokens: int) -> float:
-    return decode(llm, tokens)[0]
-
-
 def decode(llm, tokens: int) -> tuple[float, list[int]]:
     """(tok/s, prompt + decoded token ids) of one greedy batch-1 decode of ``tokens`` tokens."""
     from kvforge.sampling_params import SamplingParams
@@ -64,20 +60,22 @@ def skipped_on(model, thresholds, token_ids: list[int]) -> float:
     return realised_overall(model, masks.realised())
 
 
-def measure_speed(llm, layers, reps: int, tokens: int) -> tuple[float, float]:
-    """(dense tok/s, sparse tok/s): medians of alternated reps."""
+def measure_speed(llm, layers, reps: int, tokens: int) -> tuple[float, float, list[int]]:
+    """(dense tok/s, sparse tok/s, the dense reps' prompt + decoded ids): medians of
+    alternated reps."""
     from kvforge.kernels import cpu_kernels
     stack = llm.engine.runner.model.decode_stack()
     rows = cpu_kernels().sparse_rows_max
     dense, sparse = [], []
-    decode_tok_s(llm, 8)                                   # warm-up
+    decode(llm, 8)                                         # warm-up
     for _ in range(reps):
         stack.set_sparsity([], 0)
-        dense.append(decode_tok_s(llm, tokens))
+        tok_s, decoded = decode(llm, tokens)
+        dense.append(tok_s)
         stack.set_sparsity(layers, rows)
-        sparse.append(decode_tok_s(llm, tokens))
+        sparse.append(decode(llm, tokens)[0])
     stack.set_sparsity([], 0)
-    return statistics.median(dense), statistics.median(sparse)
+    return statistics.median(dense), statistics.median(sparse), decoded
 
 
 def main() -> None:
@@ -147,8 +145,9 @@ def main() -> None:
         if not args.skip_speed and thresholds is not None:
             layers, covered = sparse_layers(model, thresholds, cpu_kernels())
             row["covered"] = covered
-            row["dense"], row["sparse"] = measure_speed(llm, layers, args.reps, args.tokens)
-            row["skipped_decoded"] = skipped_on(model, thresholds, decode(llm, args.tokens)[1])
+            row["dense"], row["sparse"], decoded = measure_speed(llm, layers, args.reps,
+                                                                 args.tokens)
+            row["skipped_decoded"] = skipped_on(model, thresholds, decoded)
         rows.append(row)
         print(_line(row, base_ppl), flush=True)
 

@@ -45,7 +45,7 @@ def rotations_path(key: str, rotation: str = "pca") -> Path:
 def load_thresholds(key: str, mode: str, sparsity: float, allocation: str = "uniform",
                     rotation: str = "none", num_layers: int | None = None
                     ) -> SparsityThresholds | None:
-    from kvforge.sparsity.rotation import load_rotations
+    from kvforge.sparsity.rotation import ROTATED_COORDINATES, load_rotations
     path = cache_path(key, mode, sparsity, allocation, rotation)
     if not path.is_file():
         return None
@@ -64,7 +64,6 @@ def load_thresholds(key: str, mode: str, sparsity: float, allocation: str = "uni
         if rotations is None:
             return None
         rotated = thresholds.calibration.get("rotated", [])    # those whose rotation pays
-        from kvforge.sparsity.rotation import ROTATED_COORDINATES
         if rotated and thresholds.calibration.get("coordinates") != ROTATED_COORDINATES:
             return None                       # thresholds of coordinates computed otherwise
         thresholds.rotations = {kind: qs for kind, qs in rotations.items() if kind in rotated}

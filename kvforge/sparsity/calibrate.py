@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from kvforge.sparsity.config import KINDS, validate_sparsity
 from kvforge.sparsity.masking import llama_projections
-from kvforge.sparsity.rotation import ROTATED_COORDINATES
+from kvforge.sparsity.rotation import (ROTATED_COORDINATES, CoordinateRotation,
+                                      calibrate_rotations)
 from kvforge.sparsity.thresholds import SparsityThresholds
 
 CALIBRATION_OFFSET = 8192      # tokens of The Tempest skipped (the eval's text comes first)
@@ -46,7 +47,6 @@ class _Recorder:
                 for kind in KINDS["teal"]:
                     transform = lambda x: x                                 # noqa: E731
                     if kind in rotations:       # the coordinates as the kernel computes them
-                        from kvforge.sparsity.rotation import CoordinateRotation
                         transform = CoordinateRotation(rotations[kind][i]).coordinates
                     self._handles.append(mods[kind].register_forward_pre_hook(
                         self._hook(kind, i, transform), prepend=True))
@@ -168,7 +168,6 @@ def calibrate(model, token_ids: list[int], sparsity: float, mode: str = "teal",
     rotation "pca", in the principal axes ``rotations`` (computed here when None)."""
     validate_sparsity(sparsity, mode, allocation, rotation)
     if rotation == "pca" and rotations is None:
-        from kvforge.sparsity.rotation import calibrate_rotations
         rotations = calibrate_rotations(model, token_ids, window)
     rotations = rotations if rotation == "pca" else {}
     samples = record_samples(model, token_ids, mode, window, rotations)

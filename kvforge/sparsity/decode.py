@@ -53,6 +53,7 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
     layers, covered = [], 0
     # kind -> each layer's compiled x -> x Q (one set of huge-page buffers per kind)
     products = {kind: kernel_rotations(ops, qs) for kind, qs in thresholds.rotations.items()}
+    dot = int8_dot() if thresholds.mode == "teal" else None    # the rotations' int8 dot
     for i, mods in enumerate(llama_projections(model)):
         entry = [None] * 5
         if thresholds.mode == "teal":
@@ -68,7 +69,7 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
                 entry[slot] = ops.SparseProjection(
                     _transposed(rows[0]), thresholds.threshold(kind, i), scales=rows[1],
                     bias=None if bias is None else bias.detach().float().contiguous(),
-                    rotation=rotation, rotation_dot=int8_dot())
+                    rotation=rotation, rotation_dot=dot)
                 covered += 1
         else:
             gu, down = _weight_rows(mods["gate_up"]), _weight_rows(mods["down"])

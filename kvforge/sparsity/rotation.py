@@ -163,18 +163,18 @@ class CoordinateRotation:
         self.group = (ROTATION_ACT_GROUP if self.dim >= ROTATION_ACT_GROUP
                       else -(-self.dim // 4) * 4)
         self.padded = -(-self.dim // self.group) * self.group
+        # Q's rows in the groups of x they multiply: [groups, group, d] int8
+        self._grouped_codes = F.pad(self.codes, (0, 0, 0, self.padded - self.dim)).view(
+            -1, self.group, self.dim)
 
     def coordinates(self, x: torch.Tensor) -> torch.Tensor:
-        d, g = self.dim, self.group
-        rows = x.reshape(-1, d).float()
-        grouped = F.pad(rows, (0, self.padded - d)).view(rows.shape[0], -1, g)
-        step = grouped.abs().amax(dim=-1).clamp_min(1e-12) / 127
-        x8 = torch.round(grouped / step[..., None]).clamp_(-127, 127)
-        q = F.pad(self.codes.to(x.device), (0, 0, 0, self.padded - d)).view(-1, g, d)
-        # float64 holds every group's integer sum exactly (|sum| < 127^2 * 1536 < 2^53)
-        sums = torch.einsum("rgk,gkd->rgd", x8.double(), q.double()).float()
-        coords = (sums * self.scales.to(x.device)) * step[..., None]
-        return coords.sum(dim=1).reshape(*x.shape[:-1], d).to(x.dtype)
+        from kvforge.quant.w8a8_ops import exact_float_matmul
+        from kvforge.quant.zeroquant import quantize_int8_groups
+        rows = x.reshape(-1, self.dim)
+        x8, step = quantize_int8_groups(rows, self.group)      # [r, groups, group], [r, groups]
+        sums = exact_float_matmul(x8.transpose(0, 1), self._grouped_codes.to(x.device))
+        coords = (sums.float() * self.scales.to(x.device)) * step.T[..., None]
+        return coords.sum(dim=0).reshape(*x.shape[:-1], self.dim).to(x.dtype)
 
     def panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q^T in the W8A8 kernel's panels (``pack_w8a8_panels``: output j is coordinate j, Q's

@@ -14,6 +14,7 @@ from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.kernels.test_w8a8_gemm import dots_of
 from tests.sparsity.test_sparse_decode import (_llm, assert_int8_stack_near_masked_layers,
                                                assert_stack_equals_masked_layers)
+from tests.sparsity.test_sparse_kernels import _threshold
 from tests.sparsity.test_sparse_kernels import compiled  # noqa: F401 (the per-ISA fixture)
 
 
@@ -47,14 +48,6 @@ def test_masking_in_principal_axes_loses_less():
         t = v.abs().median(dim=1, keepdim=True).values
         return float(((v * (v.abs() <= t)) ** 2).sum() / (v ** 2).sum())
     assert half_error(mixed @ q) < 0.2 * half_error(mixed)
-
-
-def _threshold(values, level):
-    """Between two neighbouring magnitudes near the ``level`` quantile (see
-    test_sparse_kernels._threshold)."""
-    v = values.abs().flatten().sort().values
-    i = min(int(level * v.numel()), v.numel() - 1)
-    return float((v[i - 1] + v[i]) / 2)
 
 
 @needs_kernels

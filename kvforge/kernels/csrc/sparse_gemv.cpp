@@ -36,7 +36,6 @@
 #include "kernels.h"
 
 #include <cstring>
-#include <memory>
 
 namespace kvforge {
 
@@ -182,7 +181,7 @@ class SparseProjection {
                   rotation->in_features(), " -> ", rotation->out_features());
       TORCH_CHECK(w8a8_dot_supported(rotation_dot), "rotation_dot ", rotation_dot,
                   " is not an int8 dot this CPU / build has");
-      rotation_ = std::make_unique<W8A8Projection>(*rotation);
+      rotation_ = rotation;
       rotated_.resize(kSparseRowsMax * in_features());
     }
     if (w_.scale.defined())
@@ -199,13 +198,13 @@ class SparseProjection {
   int64_t out_features() const { return w_.data.size(1); }
   float threshold() const { return threshold_; }
 
-  bool rotated() const { return rotation_ != nullptr; }
+  bool rotated() const { return rotation_.has_value(); }
 
   // this thread's part of y [rows, out] (rows <= kSparseRowsMax), inside a team's region;
   // rotation_claims: the rotation's own zeroed claims (a rotated projection only)
   void run(const float* x, int64_t xs, float* y, int64_t rows, const Team& team,
            ShareClaim* claims, ShareClaim* rotation_claims = nullptr) const {
-    if (rotation_ != nullptr) {
+    if (rotation_.has_value()) {
       TORCH_CHECK(rotation_claims != nullptr, "a rotated projection needs the rotation's claims");
       thread_local std::vector<int8_t> codes;
       thread_local std::vector<float> steps;
@@ -281,7 +280,7 @@ class SparseProjection {
   TypedWeight w_;
   at::Tensor bias_;
   float threshold_;
-  std::unique_ptr<W8A8Projection> rotation_;      // x -> x Q before the mask; null: none
+  c10::optional<W8A8Projection> rotation_;        // x -> x Q before the mask; empty: none
   int64_t rotation_dot_;                          // its int8 dot (W8A8Dot)
   mutable std::vector<float> rotated_;            // x Q [kSparseRowsMax, in], shared by the team
   // each team thread's partial sums (thread-local buffers), read by all in the reduction; one
