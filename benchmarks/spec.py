@@ -14,6 +14,7 @@ Workloads (greedy, EOS honoured, chat template applied, default model SmolLM2-13
          indentation, reformat); the 135M model copies some and answers others in its own words
   code   3 coding chats: two edits of a given class (type hints, docstrings) and one new
          function; with batch b > 3 the prompts repeat to fill the batch
+  edit   the two edits alone;  new  the new function alone (the issue's two targets)
   turns  2 two-turn code chats, run in order: the edit above, then the same chat with an
          answer and a follow-up request, whose prompt starts with the first turn's (a prefix
          cache hit for the target, and for the draft model where its KV is still there);
@@ -110,6 +111,10 @@ CODE_PROMPTS = [
     "Include a docstring and handle the empty list.",
 ]
 
+# "code": all three; "edit" / "new": the two kinds of code task apart (their targets
+# differ: a whole class copied with edits drafts far better than a new function)
+CODE_SETS = {"code": CODE_PROMPTS, "edit": CODE_PROMPTS[:2], "new": CODE_PROMPTS[2:]}
+
 # the follow-up turns of the "turns" workload, after a fixed answer (the class with hints)
 _CLASS_TYPED = _CLASS.replace("def __init__(self):", "def __init__(self) -> None:").replace(
     "def add(self, name, quantity, price):",
@@ -172,7 +177,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["off", "ngram", "self-draft"],
                    choices=list(METHODS))
     p.add_argument("--workloads", nargs="+", default=["chat", "copy"],
-                   choices=["chat", "copy", "code", "turns"])
+                   choices=["chat", "copy", "code", "edit", "new", "turns"])
     p.add_argument("--quantization", default=None,
                    help="engine quantization (default: auto; none = fp32, where greedy "
                         "speculation is bit-identical)")
@@ -199,11 +204,12 @@ def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
         out["chat"] = [chat(r.prompt) for r in reqs]
     if "copy" in args.workloads:
         out["copy"] = [chat(p) for p in COPY_PROMPTS]
-    if "code" in args.workloads:
-        prompts = [chat(p) for p in CODE_PROMPTS]
-        # fill the largest batch: b > 3 repeats the prompts
-        size = max(len(prompts), max(args.batch_sizes))
-        out["code"] = [prompts[i % len(prompts)] for i in range(size)]
+    for name, texts in CODE_SETS.items():
+        if name in args.workloads:
+            prompts = [chat(p) for p in texts]
+            # fill the largest batch: a batch larger than the set repeats its prompts
+            size = max(len(prompts), max(args.batch_sizes))
+            out[name] = [prompts[i % len(prompts)] for i in range(size)]
     if "turns" in args.workloads:
         out["turns"] = []
         for prompt, follow_up in zip(CODE_PROMPTS[:2], FOLLOW_UPS):
@@ -280,7 +286,8 @@ def main(argv=None) -> None:
         for b in args.batch_sizes:
             for method, llm in llms.items():
                 before = _snapshot(llm.engine)
-                group = prompts[:max(len(CODE_PROMPTS), b)] if name == "code" else prompts
+                group = (prompts[:max(len(CODE_SETS[name]), b)] if name in CODE_SETS
+                         else prompts)
                 tokens, seconds, decode_s = _run(llm, group, b, args.max_tokens)
                 stats = _delta(llm.engine, before)
                 outputs[(name, b, method)] = tokens

@@ -60,7 +60,7 @@ def build_layers(in_features: int, out_features: int, group_size: int) -> tuple[
         panels = ops.pack_w8a8_panels(rows.q, rows.scale)
         projection = ops.w8a8_projection(*panels, out_features, in_features)
         for name, dot in ops.INT8_DOTS.items():
-            if module.w8a8_dot_supported(dot):
+            if module.int8_dot_supported(dot):
                 label = f"kernel {name}"
                 fns[label] = lambda x, d=dot: projection.forward(x, True, d)
                 kernels.append(label)

@@ -140,10 +140,12 @@ def _env_kernels() -> tuple[str | None, dict[str, str]]:
 
 def _cache_file(threads: int, type_name: str) -> Path:
     from kvforge.kernels.tune import _machine_key, cache_file
-    # the fp32 kernel plans' key (CPU, kernel build, torch, threads) and what changes ATen's
-    # GEMM without changing the CPU
+    from kvforge.kernels.ops import int8_dot
+    # the fp32 kernel plans' key (CPU, kernel build, torch, threads), what changes ATen's GEMM
+    # without changing the CPU, and the integer kernels' instruction
     key = dict(_machine_key(threads), mkl=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
-               onednn=os.environ.get("ONEDNN_MAX_CPU_ISA", ""), type=type_name)
+               onednn=os.environ.get("ONEDNN_MAX_CPU_ISA", ""), type=type_name,
+               int8_dot=int8_dot())
     return cache_file("gguf-gemm-rows", key)
 
 
@@ -173,13 +175,15 @@ def path_weights(ops, type_name: str, shape: tuple[int, int]):
     """One synthetic ``type_name`` weight [out, in] as three GgufWeights: integer kernels at
     every row count, fp32 tiles at every row count, int8 panels at every row count (None for
     a type without a panel form)."""
+    from kvforge.kernels.ops import int8_dot
     out_features, in_features = shape
     raw = torch.from_numpy(synthetic_blocks(type_name, out_features, in_features))
     type_id = int(GGMLQuantizationType[type_name])
     panels = (ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1, int8_panels=True)
               if type_name in PANEL_TYPES else None)
-    return (ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0),
-            ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1), panels)
+    # the integer kernels on the instruction the models will use (KVFORGE_INT8_DOT)
+    integer = ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=0, int8_dot=int8_dot())
+    return integer, ops.GgufWeight([raw], [type_id], in_features, gemm_min_rows=1), panels
 
 
 def best_path_seconds(weights, rows: int, reps: int) -> list[float]:

@@ -226,7 +226,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int) -> t
 
 
 INT8_DOT_ENV = "KVFORGE_INT8_DOT"
-# KVFORGE_INT8_DOT name -> the kernel's code (csrc/w8a8_gemm.cpp, W8A8Dot)
+# KVFORGE_INT8_DOT name -> the kernel's code (csrc/kernels.h, Int8Dot)
 INT8_DOTS = {"maddubs": 0, "avxvnni": 1, "avx512vnni": 2}
 
 
@@ -241,24 +241,25 @@ def int8_dot_setting() -> str:
 
 
 def int8_dot() -> int | None:
-    """The int8 dot instruction the W8A8 kernel (csrc/w8a8_gemm.cpp) uses, or None without
-    compiled kernels. ``KVFORGE_INT8_DOT``: ``auto`` (default: VNNI's vpdpbusd where this CPU
-    has it, 1 instruction per 32 products, else AVX2's maddubs sign trick, 4), ``vnni`` (either
-    VNNI, an error without one), or one by name: ``maddubs`` (every AVX2 CPU: what the tests
-    run everywhere), ``avxvnni``, ``avx512vnni``."""
+    """The int8 dot instruction the integer kernels use (the W8A8 GEMM, csrc/w8a8_gemm.cpp, and
+    the GGUF dot kernels, csrc/gguf_dot.cpp), or None without compiled kernels.
+    ``KVFORGE_INT8_DOT``: ``auto`` (default: VNNI's vpdpbusd / vpdpwssd where this CPU has
+    them, else AVX2's maddubs + madd), ``vnni`` (either VNNI, an error without one), or one by
+    name: ``maddubs`` (every AVX2 CPU: what the tests run everywhere), ``avxvnni``,
+    ``avx512vnni``. The GGUF dots give the same outputs with each."""
     wanted = int8_dot_setting()
     ops = cpu_kernels()
     if ops is None:
         return None
     vnni = [INT8_DOTS[name] for name in ("avxvnni", "avx512vnni")
-            if ops.w8a8_dot_supported(INT8_DOTS[name])]
+            if ops.int8_dot_supported(INT8_DOTS[name])]
     if wanted == "auto":
         return vnni[0] if vnni else INT8_DOTS["maddubs"]
     if wanted == "vnni":
         if not vnni:
             raise RuntimeError(f"{INT8_DOT_ENV}=vnni: this CPU (or kernel build) has no VNNI")
         return vnni[0]
-    if not ops.w8a8_dot_supported(INT8_DOTS[wanted]):
+    if not ops.int8_dot_supported(INT8_DOTS[wanted]):
         raise RuntimeError(f"{INT8_DOT_ENV}={wanted}: this CPU (or kernel build) lacks it")
     return INT8_DOTS[wanted]
 

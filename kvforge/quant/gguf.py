@@ -137,13 +137,15 @@ class GGUFBlocks:
 
 def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
     """What multiplies by shards ``blocks`` (one output row range each): the compiled
-    ``GgufWeight`` over their raw bytes, or without the kernels their fp32 rows (gguf-py)."""
+    ``GgufWeight`` over their raw bytes (its dot kernels on ``KVFORGE_INT8_DOT``'s instruction:
+    VNNI where the CPU has it), or without the kernels their fp32 rows (gguf-py)."""
     ops = cpu_kernels()
     if ops is not None:
+        from kvforge.kernels.ops import int8_dot
         rows, panels = shard_gemm_path([b.type_name for b in blocks],
                                        [b.raw.shape[0] for b in blocks])
         return ops.GgufWeight([b.raw for b in blocks], [b.type_id for b in blocks], in_features,
-                              gemm_min_rows=rows, int8_panels=panels)
+                              gemm_min_rows=rows, int8_panels=panels, int8_dot=int8_dot())
     return torch.cat([b.dequantize() for b in blocks])
 
 

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from kvforge.kernels.gguf_tiles import synthetic_blocks
+from kvforge.kernels.ops import INT8_DOTS
 from tests.kernels.test_cpu_kernels import compiled, needs_kernels  # noqa: F401 (fixture)
 
 LEGACY = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]     # gguf-py quantizes these
@@ -223,3 +224,36 @@ def test_simd_kernels_equal_the_portable_reference(compiled, qtype):
         assert (y - portable.linear(x)).abs().max() <= 2e-6 * magnitude
         alone = torch.cat([fast.linear(x[i:i + 1]) for i in range(rows)])
         assert torch.equal(y, alone)
+
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", LEGACY + K_QUANTS, ids=lambda t: t.name)
+def test_every_int8_dot_gives_the_maddubs_outputs_bit_for_bit(compiled, qtype):
+    """The dot kernels on VNNI's vpdpbusd / vpdpwssd (where this CPU has them) compute the same
+    int32 lanes as AVX2's maddubs + madd, so every output is the same float: a model's tokens
+    do not depend on the machine's instruction. On a CPU without VNNI only maddubs runs, and
+    the comparison with the portable reference still checks it."""
+    n, k = 21, 768
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=11 + int(qtype)))
+    maddubs = compiled.GgufWeight([raw], [int(qtype)], k, int8_dot=0)
+    portable = compiled.GgufWeight([raw], [int(qtype)], k, reference_kernels=True)
+    weight_abs = torch.from_numpy(np.abs(reference_weight(raw.numpy(), qtype))).float()
+    dots = [code for code in INT8_DOTS.values() if compiled.int8_dot_supported(code)]
+    for rows in (1, 2, 3, 4, 6, 9):
+        x = uneven_activations(rows, k, seed=100 + rows)
+        y = maddubs.linear(x)
+        assert (y - portable.linear(x)).abs().max() <= 2e-6 * (x.abs() @ weight_abs.T).max()
+        for code in dots:
+            assert torch.equal(compiled.GgufWeight([raw], [int(qtype)], k, int8_dot=code).linear(x), y)
+
+
+@needs_kernels
+def test_an_int8_dot_the_cpu_lacks_is_refused(compiled):
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 4, 256))
+    with pytest.raises(RuntimeError, match=r"int8 dot 7 is not one this CPU and build have"):
+        compiled.GgufWeight([raw], [int(T.Q4_K)], 256, int8_dot=7)
+    for code in INT8_DOTS.values():
+        if not compiled.int8_dot_supported(code):
+            with pytest.raises(RuntimeError, match=rf"int8 dot {code} is not one"):
+                compiled.GgufWeight([raw], [int(T.Q4_K)], 256, int8_dot=code)

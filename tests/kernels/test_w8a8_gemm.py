@@ -18,7 +18,7 @@ DOTS = list(ops.INT8_DOTS.items())
 
 def dots_of(module):
     """The int8 dots this CPU and build run: maddubs always (AVX2), VNNI where present."""
-    return [(name, code) for name, code in DOTS if module.w8a8_dot_supported(code)]
+    return [(name, code) for name, code in DOTS if module.int8_dot_supported(code)]
 
 
 def exact_reference(x, codes, scales, width, act_groups):

@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &kvforge::gguf_dequantize,
         "rows (all, or ids) of a raw GGUF tensor dequantized to fp32", release_gil());
   m.attr("gguf_dot_rows_max") = kvforge::kGgufDotRowsMax;   // integer dots up to here
+  m.def("int8_dot_supported", &kvforge::int8_dot_supported,
+        "whether this CPU and build have the int8 dot (0 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI)");
   kvforge::bind_gguf_weight(m);
   kvforge::bind_sparse_gemv(m);
   kvforge::bind_w8a8_gemm(m);

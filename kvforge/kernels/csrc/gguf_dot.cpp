@@ -287,35 +287,6 @@ class StreamPrefetch {
   const uint8_t* next_;
 };
 
-// Each kernel decodes a weight row's blocks once for a group of R <= kGgufDotGroupRows
-// activation rows (a verification step or a small batch reuses the codes in registers), R
-// accumulators; GgufWeight calls one group at a time (its tiles, gguf_weight.cpp).
-template <class Kernel>
-void rows_dot(const uint8_t* row, int64_t k, const ActRow* a, int64_t rows, float* out,
-              const uint8_t* prefetch) {
-  static_assert(kGgufDotGroupRows == 4, "the cases below");
-  switch (rows) {
-    case 4: return Kernel::template run<4>(row, k, a, out, prefetch);
-    case 3: return Kernel::template run<3>(row, k, a, out, prefetch);
-    case 2: return Kernel::template run<2>(row, k, a, out, prefetch);
-    case 1: return Kernel::template run<1>(row, k, a, out, prefetch);
-    default: TORCH_CHECK(false, "a GGUF dot group takes 1..", kGgufDotGroupRows, " rows, got ", rows);
-  }
-}
-
-// 8 int32 sums of 32 unsigned codes times 32 signed activation bytes, each int16 pair sum
-// multiplied by `scale` (int16 lanes) before the int32 sums, as floats
-inline __m256 scaled_dot_u8(__m256i codes, const int8_t* x, __m256i scale) {
-  const __m256i pairs =
-      _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale));
-}
-// the same as 8 int32 sums (K-quants accumulate a super-block in integers)
-inline __m256i scaled_isum_u8(__m256i codes, const int8_t* x, __m256i scale) {
-  return _mm256_madd_epi16(
-      _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-      scale);
-}
 // pow2_32's layout [p0..p7 | p0..p7] as Q6_K's scales take it, one per 16 weights:
 // [p0 p0 p1 p1 .. p3 p3 | p4 p4 .. p7 p7]
 inline __m256i per_16(__m256i pow2) {
@@ -359,72 +330,12 @@ inline __m256 scales_4(float d0, float d1, float d2, float d3) {
   return _mm256_set_m128(d, d);
 }
 
-// Q8_0  [d][q0..q31 int8]                      w = d * q
-// Four blocks at a time like LegacyKernel (below); the blocks after the last whole 4 one by one.
-struct Q8_0Kernel {
-  // |w| (<= 128) unsigned against x with w's sign: pair sums fit int16; 8 int32 sums
-  static __m256i isum(__m256i w, __m256i w_abs, const int8_t* x) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w)),
-                             _mm256_set1_epi16(1));
-  }
-
-  template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
-                  const uint8_t* prefetch) {
-    StreamPrefetch ahead(prefetch);
-    const int64_t blocks = k / 32, groups = blocks / 4;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* blk = row + 34 * 4 * g;
-      if (prefetch != nullptr) ahead.upto(prefetch + 34 * 4 * (g + 1));
-      __m256i w[4], w_abs[4];
-      for (int j = 0; j < 4; ++j) {
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 34 * j + 2));
-        w_abs[j] = _mm256_sign_epi8(w[j], w[j]);
-      }
-      const __m256 dw = scales_4(fp16_at(blk), fp16_at(blk + 34), fp16_at(blk + 68),
-                                 fp16_at(blk + 102));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a[r].q + 128 * g;
-        const __m256i sums = half_sums_4(isum(w[0], w_abs[0], x), isum(w[1], w_abs[1], x + 32),
-                                         isum(w[2], w_abs[2], x + 64),
-                                         isum(w[3], w_abs[3], x + 96));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                 _mm256_mul_ps(dw, _mm256_loadu_ps(a[r].dv4 + 8 * g)), acc[r]);
-      }
-    }
-    for (int64_t b = 4 * groups; b < blocks; ++b) {      // the last 0..3 blocks one by one
-      const uint8_t* blk = row + 34 * b;
-      if (prefetch != nullptr) ahead.upto(prefetch + 34 * (b + 1));
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      const __m256i w_abs = _mm256_sign_epi8(w, w);
-      const __m256 d = _mm256_set1_ps(fp16_at(blk));
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(w, w_abs, a[r].q + 32 * b)),
-                                 _mm256_mul_ps(d, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
-  }
-};
-
 // Q4_0 [d][qs:16] w = d * (nib - 8);  Q4_1 [d][m][qs:16] w = d * nib + m
 // Q5_0 [d][qh:4][qs:16] w = d * (code - 16);  Q5_1 [d][m][qh:4][qs:16] w = d * code + m
-//
-// Four blocks at a time: their 8-lane int32 sums (4 partial sums of each half, madd's layout)
-// fold by three hadds into one vector of the 4 blocks' half sums, so a row pays one
-// conversion and one FMA per 128 weights instead of per 32, and one 4-lane FMA for the 4
-// blocks' offsets instead of 4 scalar ones (the conversions and FMAs shared the multiply
-// ports with maddubs / madd: this loop does ~half the port work a row):
-//
-//   s_j = madd(maddubs(codes_j, x_j), 1)   [lo partials 0..3 | hi partials 0..3]  j = 0..3
-//   hadd(hadd(s0, s1), hadd(s2, s3))       [lo0 lo1 lo2 lo3 | hi0 hi1 hi2 hi3]  (exact ints)
-//   acc += cvt(.) * ([d0 d1 d2 d3 | d0 d1 d2 d3] * dv4)
-//
-// The blocks after the last whole group of 4 take the one-block path.
+// A block's unsigned codes and its offset (a signed type's zero point times its scale, or
+// the min), as the dot kernels and the int8 panels (gguf_gemm.cpp) decode them.
 template <int Bytes, bool HasMin, bool FifthBit>
-struct LegacyKernel {
+struct LegacyBlock {
   static constexpr int kCodes = (HasMin ? 4 : 2) + (FifthBit ? 4 : 0);   // offset of qs
   static constexpr float kZero = FifthBit ? 16.f : 8.f;                  // signed types' zero
 
@@ -435,64 +346,6 @@ struct LegacyKernel {
   }
   static float offset_at(const uint8_t* blk, float d) {
     return HasMin ? fp16_at(blk + 2) : -kZero * d;
-  }
-  // the 8 int32 sums of 32 codes times 32 activation bytes (madd's lane layout)
-  static __m256i isum(__m256i codes, const int8_t* x) {
-    return _mm256_madd_epi16(
-        _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-        _mm256_set1_epi16(1));
-  }
-
-  template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
-                  const uint8_t* prefetch) {
-    StreamPrefetch ahead(prefetch);
-    const int64_t blocks = k / 32, groups = blocks / 4;
-    __m256 acc[R];
-    __m128 off_acc[R];
-    float offsets[R] = {};
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      off_acc[r] = _mm_setzero_ps();
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* blk = row + Bytes * 4 * g;
-      if (prefetch != nullptr) ahead.upto(prefetch + Bytes * 4 * (g + 1));
-      const __m256i c0 = codes_at(blk), c1 = codes_at(blk + Bytes), c2 = codes_at(blk + 2 * Bytes),
-                    c3 = codes_at(blk + 3 * Bytes);
-      const float d0 = fp16_at(blk), d1 = fp16_at(blk + Bytes), d2 = fp16_at(blk + 2 * Bytes),
-                  d3 = fp16_at(blk + 3 * Bytes);
-      const __m256 dw = scales_4(d0, d1, d2, d3);
-      const __m128 offw = _mm_setr_ps(offset_at(blk, d0), offset_at(blk + Bytes, d1),
-                                      offset_at(blk + 2 * Bytes, d2),
-                                      offset_at(blk + 3 * Bytes, d3));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a[r].q + 128 * g;
-        const __m256i sums = half_sums_4(isum(c0, x), isum(c1, x + 32), isum(c2, x + 64),
-                                         isum(c3, x + 96));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                 _mm256_mul_ps(dw, _mm256_loadu_ps(a[r].dv4 + 8 * g)), acc[r]);
-        off_acc[r] = _mm_fmadd_ps(offw, _mm_loadu_ps(a[r].s32 + 4 * g), off_acc[r]);
-      }
-    }
-    for (int64_t b = 4 * groups; b < blocks; ++b) {      // the last 0..3 blocks one by one
-      const uint8_t* blk = row + Bytes * b;
-      if (prefetch != nullptr) ahead.upto(prefetch + Bytes * (b + 1));
-      const __m256i codes = codes_at(blk);
-      const float d = fp16_at(blk);
-      const float offset = offset_at(blk, d);
-      const __m256 dv = _mm256_set1_ps(d);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(codes, a[r].q + 32 * b)),
-                                 _mm256_mul_ps(dv, _mm256_loadu_ps(a[r].dv + 8 * b)), acc[r]);
-        offsets[r] += offset * a[r].s32[b];
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m128 o = _mm_add_ps(off_acc[r], _mm_movehl_ps(off_acc[r], off_acc[r]));
-      o = _mm_add_ss(o, _mm_movehdup_ps(o));
-      out[r] = hsum_ps(acc[r]) + _mm_cvtss_f32(o) + offsets[r];
-    }
   }
 };
 
@@ -516,179 +369,51 @@ inline __m128i k_scales_mins(const uint8_t* p) {
   return _mm_or_si128(low, high);
 }
 
-// Q4_K [d][dmin][scales:12][qs:128]  and  Q5_K [d][dmin][scales:12][qh:32][qs:128]
-//   sub-block j (32 weights): w = d * s_j * code - dmin * m_j; 32-byte chunk c of qs holds
-//   sub-block 2c in its low nibbles, 2c + 1 in its high; Q5_K's fifth bit: bit j of qh[i]
-template <bool FifthBit>
-struct K4Kernel {
-  template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
-                  const uint8_t* prefetch) {
-    StreamPrefetch ahead(prefetch);
-    constexpr int64_t kBytes = FifthBit ? 176 : 144, kQs = FifthBit ? 48 : 16;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < k / 256; ++sb) {
-      const uint8_t* blk = row + kBytes * sb;
-      if (prefetch != nullptr) ahead.upto(prefetch + kBytes * (sb + 1));
-      // int16 s0..s7; the mins as floats times dmin, for every row's sum32
-      const __m128i sm8 = k_scales_mins(blk + 4);
-      const __m128i scales = _mm_cvtepu8_epi16(sm8);
-      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8))),
-                                        _mm256_set1_ps(fp16_at(blk + 2)));
-      const uint8_t* qs = blk + kQs;
-      __m256i qh;
-      if constexpr (FifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      // each row's scales times its 32-blocks' powers of two (<= 63 * 16: int16), each twice
-      // in a dword: a dword broadcast from memory (a load, no shuffle) puts sub-block j's
-      // scale in every int16 lane for the madd
-      //   scale_pairs[r][j] = (s_j << shift_rj) * 0x00010001
-      alignas(16) int32_t scale_pairs[R][8];
-      __m256i sum[R], sum_hi[R];
-      for (int r = 0; r < R; ++r) {
-        sum[r] = sum_hi[r] = _mm256_setzero_si256();
-        const __m128i row_scales = _mm_mullo_epi16(
-            scales, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a[r].pow2_32 + 16 * sb)));
-        _mm_store_si128(reinterpret_cast<__m128i*>(scale_pairs[r]),
-                        _mm_unpacklo_epi16(row_scales, row_scales));
-        _mm_store_si128(reinterpret_cast<__m128i*>(scale_pairs[r] + 4),
-                        _mm_unpackhi_epi16(row_scales, row_scales));
-      }
-      for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(raw, low4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        if constexpr (FifthBit) {
-          const __m256i bit_lo = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-          const __m256i bit_hi = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
-          const __m256i sixteen = _mm256_set1_epi8(0x10);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(
-              _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_lo), bit_lo), sixteen));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(
-              _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
-        }
-        // one row: two accumulators keep two maddubs -> madd -> add chains in flight; more
-        // rows are chains of their own, and a second set of registers would spill (timed:
-        // one accumulator a row runs ~15% faster at 4 rows, two ~7% faster at 1 row)
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = a[r].q256 + 256 * sb + 64 * c;
-          // sub-block 2c's scale << the row's shift in every int16 lane, 2c + 1's
-          const __m256i s_lo = _mm256_set1_epi32(scale_pairs[r][2 * c]);
-          const __m256i s_hi = _mm256_set1_epi32(scale_pairs[r][2 * c + 1]);
-          if constexpr (R == 1) {
-            sum[r] = _mm256_add_epi32(sum[r], scaled_isum_u8(lo, x, s_lo));
-            sum_hi[r] = _mm256_add_epi32(sum_hi[r], scaled_isum_u8(hi, x + 32, s_hi));
-          } else {
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(scaled_isum_u8(lo, x, s_lo),
-                                                               scaled_isum_u8(hi, x + 32, s_hi)));
-          }
-        }
-      }
-      const float d = fp16_at(blk);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[r], sum_hi[r])),
-                                 _mm256_set1_ps(d * a[r].unit256[sb]), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a[r].sum32 + 8 * sb), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
-  }
-};
+// The kernels, once per int8 dot instruction (gguf_dot_kernels.inc); the VNNI ones compiled
+// for their instructions alone whatever the build's -march, run only where the CPU has them.
+namespace gguf_maddubs {
+#define GGUF_DOT 0
+#include "gguf_dot_kernels.inc"
+#undef GGUF_DOT
+}  // namespace gguf_maddubs
 
-// Q6_K [ql:128][qh:64][scales:16 int8][d]: 16 sub-blocks of 16, w = d * scale_i * (code - 32).
-// Half h (128 weights) = 32-blocks 4h .. 4h + 3 (gguf_blocks.cpp's map):
-//   block 4h+0: ql[64h + j] & 15       | qh[32h + j] bits 1:0 << 4
-//   block 4h+1: ql[64h + 32 + j] & 15  | bits 3:2 << 2
-//   block 4h+2: ql[64h + j] >> 4       | bits 5:4
-//   block 4h+3: ql[64h + 32 + j] >> 4  | bits 7:6 >> 2
-// (16-bit shifts: whatever crosses a byte is masked away by 0x0F / 0x30)
-// The zero point in integers: sum_i scale_i (code_i - 32) q_i = codes' sum - 32 sum_i scale_i
-// bsum16_i.
-struct Q6KKernel {
-  template <int R>
-  static void run(const uint8_t* row, int64_t k, const ActRow* a, float* out,
-                  const uint8_t* prefetch) {
-    StreamPrefetch ahead(prefetch);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < k / 256; ++sb) {
-      const uint8_t* blk = row + 210 * sb;
-      if (prefetch != nullptr) ahead.upto(prefetch + 210 * (sb + 1));
-      // int16 scales 0..7 | 8..15
-      const __m256i sc =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      // each row's scales times its 32-blocks' powers of two (|.| <= 128 * 16: int16), each
-      // half (8 scales) in both 128-bit lanes for the shuffles below
-      __m256i sum[R], sum_odd[R], halves[2][R];
-      for (int r = 0; r < R; ++r) {
-        sum[r] = sum_odd[r] = _mm256_setzero_si256();
-        const __m256i scaled = _mm256_mullo_epi16(
-            sc, per_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].pow2_32 + 16 * sb))));
-        halves[0][r] = _mm256_permute2x128_si256(scaled, scaled, 0x00);
-        halves[1][r] = _mm256_permute2x128_si256(scaled, scaled, 0x11);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-        const __m256i ql1 =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-        const __m256i qh =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        const __m256i codes[4] = {
-            _mm256_or_si256(_mm256_and_si256(ql0, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
-            _mm256_or_si256(_mm256_and_si256(ql1, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                            _mm256_and_si256(qh, high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
-        };
-        // int16 lanes 0..7 (bytes 0..15) of 32-group g take scale 2 (4h + g), lanes 8..15 the
-        // next: in a half's scales (8h..8h+7 in each lane) they are int16 2g and 2g + 1
-        for (int g = 0; g < 4; ++g) {
-          const __m256i pick = _mm256_set_m128i(
-              _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 3) + 4 * g + 2)),
-              _mm_set1_epi16(static_cast<short>(0x0100 * (4 * g + 1) + 4 * g)));
-          // two chains at one row, one a row at more (see K4Kernel); g is unrolled
-          __m256i* chain = R == 1 && g % 2 ? sum_odd : sum;
-          for (int r = 0; r < R; ++r)
-            chain[r] = _mm256_add_epi32(
-                chain[r], scaled_isum_u8(codes[g], a[r].q256 + 256 * sb + 128 * h + 32 * g,
-                                         _mm256_shuffle_epi8(halves[h][r], pick)));
-        }
-      }
-      const float d = fp16_at(blk + 208);
-      for (int r = 0; r < R; ++r) {
-        const __m256i zero = _mm256_madd_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r].bsum16 + 16 * sb)), sc);
-        const __m256i total = _mm256_sub_epi32(_mm256_add_epi32(sum[r], sum_odd[r]),
-                                               _mm256_slli_epi32(zero, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a[r].unit256[sb]),
-                                 acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r] = hsum_ps(acc[r]);
-  }
-};
+#if defined(KVFORGE_VNNI)
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace gguf_avxvnni {
+#define GGUF_DOT 1
+#include "gguf_dot_kernels.inc"
+#undef GGUF_DOT
+}  // namespace gguf_avxvnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+namespace gguf_avx512vnni {
+#define GGUF_DOT 2
+#include "gguf_dot_kernels.inc"
+#undef GGUF_DOT
+}  // namespace gguf_avx512vnni
+#pragma GCC pop_options
+#endif
 #endif  // __AVX2__
 
-RowsDot rows_dot_for(int64_t type, bool reference) {
+// The kernel of a block type for int8 dot `dot` (an Int8Dot this CPU has: GgufWeight checks),
+// or the portable reference (`reference`, a build without AVX2, a type without a kernel)
+RowsDot rows_dot_for(int64_t type, bool reference, int64_t dot) {
+  RowsDot kernel = nullptr;
 #if defined(__AVX2__)
-  if (!reference) switch (type) {
-    case kQ8_0: return rows_dot<Q8_0Kernel>;
-    case kQ4_0: return rows_dot<LegacyKernel<18, false, false>>;
-    case kQ4_1: return rows_dot<LegacyKernel<20, true, false>>;
-    case kQ5_0: return rows_dot<LegacyKernel<22, false, true>>;
-    case kQ5_1: return rows_dot<LegacyKernel<24, true, true>>;
-    case kQ4_K: return rows_dot<K4Kernel<false>>;
-    case kQ5_K: return rows_dot<K4Kernel<true>>;
-    case kQ6_K: return rows_dot<Q6KKernel>;
-    default: break;
+  if (!reference) {
+#if defined(KVFORGE_VNNI)
+    if (dot == kDotAvxVnni) kernel = gguf_avxvnni::kernel_for(type);
+    else if (dot == kDotAvx512Vnni) kernel = gguf_avx512vnni::kernel_for(type);
+    else
+#endif
+      kernel = gguf_maddubs::kernel_for(type);
   }
 #endif
-  return reference_rows_dot(type);
+  (void)dot;
+  return kernel != nullptr ? kernel : reference_rows_dot(type);
 }
 
 }  // namespace

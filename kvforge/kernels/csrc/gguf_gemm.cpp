@@ -244,7 +244,7 @@ void pack_k_panels(const Shards& shards, size_t s, int64_t n0, int64_t panels, i
 
 #if defined(__AVX2__)
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 panels straight from the blocks: each 32-block's codes of the 8
-// columns decoded as the dot kernels decode them (LegacyKernel::codes_at: unsigned codes, the
+// columns decoded as the dot kernels decode them (LegacyBlock::codes_at: unsigned codes, the
 // signed types' zero point an offset), interleaved and stored; the block's scale and offset
 // per column
 template <class Legacy, int64_t Bytes>
@@ -287,10 +287,10 @@ void pack_panels(const Shards& shards, size_t s, const PanelFormat& pf, int64_t 
 #if defined(__AVX2__)
   if (shards.type[s] == kQ4_K) return pack_k_panels<kQ4_K>(shards, s, n0, panels, k, out);
   if (shards.type[s] == kQ6_K) return pack_k_panels<kQ6_K>(shards, s, n0, panels, k, out);
-  using Q4_0 = LegacyKernel<18, false, false>;
-  using Q4_1 = LegacyKernel<20, true, false>;
-  using Q5_0 = LegacyKernel<22, false, true>;
-  using Q5_1 = LegacyKernel<24, true, true>;
+  using Q4_0 = LegacyBlock<18, false, false>;
+  using Q4_1 = LegacyBlock<20, true, false>;
+  using Q5_0 = LegacyBlock<22, false, true>;
+  using Q5_1 = LegacyBlock<24, true, true>;
   switch (shards.type[s]) {
     case kQ4_0: return pack_legacy_panels<Q4_0, 18>(shards, s, n0, panels, k, out);
     case kQ4_1: return pack_legacy_panels<Q4_1, 20>(shards, s, n0, panels, k, out);

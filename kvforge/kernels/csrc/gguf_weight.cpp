@@ -23,11 +23,14 @@ class GgufWeight {
   // reference_kernels: the portable code-by-code kernels instead of the AVX2 ones (tests)
   // int8_panels: from gemm_min_rows rows on, the shards with a panel form (gguf_gemm.cpp) take
   // int8 panels instead of fp32 tiles
+  // int8_dot: the dot kernels' instruction (Int8Dot, kernels.h: the same outputs from each)
   GgufWeight(std::vector<at::Tensor> raws, std::vector<int64_t> types, int64_t in_features,
-             bool reference_kernels, int64_t gemm_min_rows, bool int8_panels)
+             bool reference_kernels, int64_t gemm_min_rows, bool int8_panels, int64_t int8_dot)
       : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features),
         gemm_min_rows_(gemm_min_rows) {
     TORCH_CHECK(gemm_min_rows >= 0, "gemm_min_rows must be >= 0 (0: never), got ", gemm_min_rows);
+    TORCH_CHECK(int8_dot_supported(int8_dot), "GgufWeight: int8 dot ", int8_dot,
+                " is not one this CPU and build have (0 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI)");
     all_on_panels_ = int8_panels;
     unit_first_.push_back(0);
     for (size_t s = 0; s < shards_.type.size(); ++s) {
@@ -40,7 +43,7 @@ class GgufWeight {
     }
     for (size_t s = 0; s < shards_.type.size(); ++s)
       dots_.push_back(shards_.format[s].quantized
-                          ? rows_dot_for(shards_.type[s], reference_kernels)
+                          ? rows_dot_for(shards_.type[s], reference_kernels, int8_dot)
                           : nullptr);
   }
 
@@ -232,22 +235,24 @@ class GgufWeight {
 at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<int64_t> types,
                        c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K]");
-  return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0, false).linear(x, bias);
+  return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0, false, kDotMaddubs)
+      .linear(x, bias);
 }
 
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
                            c10::optional<at::Tensor> ids) {
-  return GgufWeight({raw}, {type}, k, false, 0, false).dequantize(ids);
+  return GgufWeight({raw}, {type}, k, false, 0, false, kDotMaddubs).dequantize(ids);
 }
 
 void bind_gguf_weight(pybind11::module& m) {
   namespace py = pybind11;
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<GgufWeight>(m, "GgufWeight", py::module_local())
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool, int64_t, bool>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, bool, int64_t, bool,
+                    int64_t>(),
            py::arg("raws"), py::arg("types"), py::arg("in_features"),
            py::arg("reference_kernels") = false, py::arg("gemm_min_rows") = 0,
-           py::arg("int8_panels") = false)
+           py::arg("int8_panels") = false, py::arg("int8_dot") = 0)
       .def_property_readonly("in_features", &GgufWeight::in_features)
       .def_property_readonly("out_features", &GgufWeight::out_features)
       .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),

@@ -29,6 +29,32 @@
 
 namespace kvforge {
 
+// The int8 dot instruction an integer kernel multiplies with (KVFORGE_INT8_DOT, kernels/ops.py):
+// AVX2's maddubs (+ madd) on every AVX2 CPU, or VNNI's vpdpbusd / vpdpwssd, VEX-encoded
+// (AVX-VNNI) or EVEX-encoded on ymm (AVX512-VNNI + VL). The VNNI kernels (w8a8_gemm.cpp,
+// gguf_dot.cpp) are compiled under `#pragma GCC target` whatever the build's -march, so GCC
+// only (clang has no such pragma: there the kernels have maddubs).
+enum Int8Dot : int64_t { kDotMaddubs = 0, kDotAvxVnni = 1, kDotAvx512Vnni = 2 };
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)
+#define KVFORGE_VNNI 1
+#endif
+
+// Whether this CPU and build have int8 dot `dot`: maddubs with any AVX2 build
+inline bool int8_dot_supported(int64_t dot) {
+#if defined(KVFORGE_VNNI)
+  __builtin_cpu_init();
+  switch (dot) {
+    case kDotMaddubs: return true;
+    case kDotAvxVnni: return __builtin_cpu_supports("avxvnni");
+    case kDotAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    default: return false;
+  }
+#else
+  return dot == kDotMaddubs;   // AVX2 without the VNNI kernels, or the portable loops
+#endif
+}
+
 // rows per parallel task so that a task touches >= ~64K floats (less work stays serial)
 inline int64_t grain_rows(int64_t cols) {
   return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(cols, 1));

@@ -179,7 +179,7 @@ class SparseProjection {
                       rotation->out_features() == in_features(),
                   "rotation must map ", in_features(), " inputs to as many coordinates, got ",
                   rotation->in_features(), " -> ", rotation->out_features());
-      TORCH_CHECK(w8a8_dot_supported(rotation_dot), "rotation_dot ", rotation_dot,
+      TORCH_CHECK(int8_dot_supported(rotation_dot), "rotation_dot ", rotation_dot,
                   " is not an int8 dot this CPU / build has");
       rotation_ = rotation;
       rotated_.resize(kSparseRowsMax * in_features());
@@ -281,7 +281,7 @@ class SparseProjection {
   at::Tensor bias_;
   float threshold_;
   c10::optional<W8A8Projection> rotation_;        // x -> x Q before the mask; empty: none
-  int64_t rotation_dot_;                          // its int8 dot (W8A8Dot)
+  int64_t rotation_dot_;                          // its int8 dot (Int8Dot)
   mutable std::vector<float> rotated_;            // x Q [kSparseRowsMax, in], shared by the team
   // each team thread's partial sums (thread-local buffers), read by all in the reduction; one
   // step runs at a time per model, so one table per projection

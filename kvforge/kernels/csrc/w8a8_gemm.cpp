@@ -27,8 +27,6 @@
 namespace kvforge {
 namespace {
 
-enum W8A8Dot : int64_t { kDotMaddubs = 0, kDotAvxVnni = 1, kDotAvx512Vnni = 2 };
-
 // One register tile's operands (w8a8_tile.inc)
 struct W8A8TileArgs {
   const int8_t* x_codes;    // row r's code of k at x_codes[r * x_stride + k] (VNNI: code + 128)
@@ -49,10 +47,8 @@ namespace w8a8_maddubs {
 }  // namespace w8a8_maddubs
 
 // The VNNI tiles are compiled for their instructions alone (`#pragma GCC target`), whatever
-// the build's -march, and run only where the CPU reports them; GCC only (clang has no such
-// pragma: there the kernel has maddubs).
-#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)
-#define KVFORGE_W8A8_VNNI 1
+// the build's -march, and run only where the CPU reports them (Int8Dot, kernels.h).
+#if defined(KVFORGE_VNNI)
 #pragma GCC push_options
 #pragma GCC target("avxvnni")
 namespace w8a8_avxvnni {
@@ -72,22 +68,6 @@ namespace w8a8_avx512vnni {
 #pragma GCC pop_options
 #endif
 
-// Which int8 dot instructions this CPU has (w8a8_dot_supported): maddubs with any AVX2 build
-bool w8a8_dot_supported(int64_t dot) {
-#if defined(KVFORGE_W8A8_VNNI)
-  __builtin_cpu_init();
-  switch (dot) {
-    case kDotMaddubs: return true;
-    case kDotAvxVnni: return __builtin_cpu_supports("avxvnni");
-    case kDotAvx512Vnni:
-      return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-    default: return false;
-  }
-#else
-  return dot == kDotMaddubs;   // AVX2 without the VNNI tiles, or the portable loop
-#endif
-}
-
 // Register tiles (rows x panels): R x P int32 group sums, R x P float sums, P code vectors (and
 // for maddubs P |codes|). Timed at 32 rows on the shapes of SmolLM2-135M and Qwen2.5-1.5B
 // (576 x 3072, 1536 x 576, 576 x 960, 1536 x 8960; Xeon, 2 threads) among 2x4, 3x2, 3x3, 4x2,
@@ -103,7 +83,7 @@ constexpr int kW8A8Rows = 3, kW8A8Panels = 2;
 #if defined(__AVX2__)
 template <int R, int P>
 void w8a8_run_tile(int64_t dot, int64_t rows, const W8A8TileArgs& a) {
-#if defined(KVFORGE_W8A8_VNNI)
+#if defined(KVFORGE_VNNI)
   switch (dot) {
     case kDotAvxVnni:
       return w8a8_avxvnni::tile_rows<R, P>(rows, a);
@@ -167,12 +147,12 @@ class W8A8Projection {
   int64_t padded_in() const { return kp_; }      // Kp: a row of quantize_rows' codes
   int64_t groups() const { return groups_; }     // a row's steps
 
-  // y [T, n] = x [T, K] times the weight; dot: a W8A8Dot this CPU has (w8a8_dot_supported)
+  // y [T, n] = x [T, K] times the weight; dot: an Int8Dot this CPU has (int8_dot_supported)
   at::Tensor forward(const at::Tensor& x_in, bool act_groups, int64_t dot) const {
     check_fp32_cpu(x_in, "W8A8Projection input");
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k_, "W8A8Projection: input must be [T, ", k_,
                 "], got ", x_in.sizes());
-    TORCH_CHECK(w8a8_dot_supported(dot), "W8A8Projection: int8 dot ", dot,
+    TORCH_CHECK(int8_dot_supported(dot), "W8A8Projection: int8 dot ", dot,
                 " is not available on this CPU / build");
     const at::Tensor x = x_in.contiguous();
     const int64_t rows = x.size(0);
@@ -304,8 +284,6 @@ class W8A8Projection {
 };
 
 void bind_w8a8_gemm(pybind11::module& m) {
-  m.def("w8a8_dot_supported", &w8a8_dot_supported,
-        "whether this CPU and build have the int8 dot (0 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI)");
   pybind11::class_<W8A8Projection>(m, "W8A8Projection", pybind11::module_local())
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
                           c10::optional<at::Tensor>>(),
