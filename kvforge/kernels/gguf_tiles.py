@@ -56,7 +56,8 @@ KERNELS = ("panels", "tiles")
 # row counts tried: the crossover is the smallest from which the many-row kernel wins at every
 # larger one (prefill chunks are 512 rows by default; steps of ~1.5x keep the choice within
 # that of the best). From 16: panels win from ~8 rows, but speculative verification steps
-# (<= 8 rows, spec/factory.py) must keep the dots a row gets alone (docs/speculative.md)
+# must keep the dots a row gets alone (spec/factory.py keeps their rows below the smallest
+# crossover, quant/gguf.integer_rows_max), and a low crossover would leave them few
 CANDIDATE_ROWS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 WIN_MARGIN = 1.10                # the many-row kernel must be this much faster to take a row count
 KERNEL_ROWS = 256                # rows panels and tiles are compared at

@@ -149,6 +149,23 @@ def blocks_weight(blocks: list[GGUFBlocks], in_features: int):
     return torch.cat([b.dequantize() for b in blocks])
 
 
+def integer_rows_max(model) -> int | None:
+    """The most activation rows every compiled GGUF projection of ``model`` (the LM head and
+    experts included) multiplies on its integer dot kernels, which give each row the bits it
+    gets alone: one less than the smallest crossover to int8 panels or fp32 tiles
+    (kernels/gguf_tiles.py), whose rounding differs. None when no projection leaves the dots.
+    Speculative verification stays within it, so a verified token is the one a plain decode
+    step computes (spec/factory.py)."""
+    crossovers = []
+    for module in model.modules():
+        weights = [getattr(getattr(module, "method", None), "kernel_weight", None)]
+        weights += list(getattr(module, "_gguf_w13", None) or ())
+        weights += list(getattr(module, "_gguf_w2", None) or ())
+        crossovers += [w.gemm_min_rows for w in weights
+                       if w is not None and getattr(w, "gemm_min_rows", 0) > 0]
+    return min(crossovers) - 1 if crossovers else None
+
+
 def blocks_multiply(weight, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2d [M, K] @ W^T (+ bias)`` for a ``blocks_weight`` (fp32 rows in, as the kernel
     takes them)."""

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from kvforge.kernels import ops as kernel_ops
+from kvforge.quant.gguf import integer_rows_max
 from kvforge.spec.cost import calibrate
 from kvforge.spec.decoder import SpecDecoder
 from kvforge.spec.draft import ModelDraftProposer
@@ -36,6 +37,11 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
     method = config.speculative_method
     # verification rows per step: what the CPU linear kernel takes in one pass over the weights
     max_rows = kernel_ops.single_pass_rows(runner.device, runner.dtype)
+    # and, for GGUF blocks, fewer than the rows from which a projection leaves its integer dots
+    # (their many-row kernels round otherwise: a verified token would not be the plain step's)
+    exact_rows = integer_rows_max(runner.model)
+    if exact_rows is not None:
+        max_rows = exact_rows if max_rows is None else min(max_rows, exact_rows)
     if method == "ngram":
         # proposals cost only verification rows: shrink on rejection, never pause
         return SpecDecoder(config.num_speculative_tokens, NgramProposer(
@@ -73,7 +79,8 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
                 cost.draft.fixed, cost.draft.per_row)
     # n-gram guesses first where they pay more (no draft forward); the draft model elsewhere
     return SpecDecoder(config.num_speculative_tokens, ngram, max_len_per_request, cost=cost,
-                       model_drafts=True, draft_stats=runner.drafter.stats)
+                       model_drafts=True, draft_stats=runner.drafter.stats,
+                       max_verify_rows=exact_rows)
 
 
 def _exit_draft(config, runner):

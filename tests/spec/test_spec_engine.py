@@ -113,6 +113,28 @@ def test_ngram_on_native_gguf_blocks_is_token_identical(default_model_path, batc
     assert tokens == base
 
 
+def test_gguf_verification_rows_stay_below_the_many_row_kernels(default_model_path,
+                                                               monkeypatch):
+    """From its crossover a GGUF projection leaves the integer dots for int8 panels or fp32
+    tiles, which round otherwise: a verification step of that many rows would score proposals
+    with other bits than the plain step. The rows per step stay below the smallest crossover
+    of the model (here 6 for every block type: 5 rows, k = 4 of the 7 asked), so no token
+    changes."""
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "6")
+    prompts = _prompts()[:1]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    base, _, _ = _run(default_model_path, prompts=prompts, max_model_len=256, params=params)
+    llm = LLM(default_model_path, block_size=BLOCK, num_kv_blocks=256, max_model_len=256,
+              speculative_method="ngram", num_speculative_tokens=7)
+    assert llm.engine.spec.max_verify_rows == 5
+    llm.engine.spec.guard = None                  # keep proposing whatever the step times say
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.check_integrity()
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_proposed <= 4 * stats.num_verify_steps
+    assert tokens == base
+
+
 def test_stop_token_inside_accepted_run_truncates(tiny):
     path, baseline = tiny
     # stop at a token the baseline emits late in some output: outputs end exactly there

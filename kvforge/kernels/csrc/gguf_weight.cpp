@@ -49,6 +49,8 @@ class GgufWeight {
 
   int64_t in_features() const { return k_; }
   int64_t out_features() const { return shards_.rows(); }
+  // rows from which linear() / run() leave the dot kernels (0: never)
+  int64_t gemm_min_rows() const { return gemm_min_rows_; }
 
   // This thread's part of y [rows, out] (row stride ys) = x [rows, K] @ W^T (+ bias) inside a
   // team's region (rows <= kGgufDotRowsMax). Every thread quantizes the activations itself (a
@@ -255,6 +257,7 @@ void bind_gguf_weight(pybind11::module& m) {
            py::arg("int8_panels") = false, py::arg("int8_dot") = 0)
       .def_property_readonly("in_features", &GgufWeight::in_features)
       .def_property_readonly("out_features", &GgufWeight::out_features)
+      .def_property_readonly("gemm_min_rows", &GgufWeight::gemm_min_rows)
       .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),
            release_gil())
       .def("dequantize", &GgufWeight::dequantize, py::arg("ids") = py::none(), release_gil());
