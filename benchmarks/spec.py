@@ -269,8 +269,9 @@ def main(argv=None) -> None:
         if spec is None:
             continue
         if method.split("/")[0] == "draft":
-            spec.cost = None             # plain drafting: k drafts every step
-            spec.max_verify_rows = None
+            # plain drafting: k drafts every step (its rows per step still below a GGUF
+            # model's many-row crossover: spec/factory.py)
+            spec.cost = None
         if costs:                        # every method priced with the same measured costs
             spec.report_cost = costs[0]
     if costs:
