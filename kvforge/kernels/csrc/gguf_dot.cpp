@@ -51,6 +51,10 @@
 // each row broadcasts its own scales (a shift per 32 weights per row instead cost 14-24% of
 // the prefill kernels' time).
 //
+// The kernels (gguf_dot_kernels.inc) are compiled once per int8 dot instruction: the maddubs
+// + madd above, or VNNI's vpdpbusd / vpdpwssd where the CPU has them (KVFORGE_INT8_DOT), which
+// compute the same int32 lanes, so every instruction gives the same outputs bit for bit.
+//
 // Without AVX2 (builds for other CPUs) each row is unpacked to codes (gguf_blocks.cpp) and
 // dotted by a scalar loop: the same arithmetic, the reference the tests compare.
 #include "kernels.h"
