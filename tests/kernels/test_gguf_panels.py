@@ -100,3 +100,24 @@ def test_q8_0_and_float_shards_have_no_panel_form(compiled):
         tiles = compiled.GgufWeight([raw], [int(qtype)], k, gemm_min_rows=1)
         assert torch.equal(panel_weight(compiled, [raw.numpy()], [qtype], k).linear(x),
                            tiles.linear(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_every_int8_dot_gives_the_maddubs_panels_bit_for_bit(compiled, qtype):
+    """The panel tiles on VNNI's vpdpbusd (where this CPU has it) sum each group's products
+    straight into int32; maddubs sums them in int16 first. The same integers either way, so
+    the same outputs: a prefill's numbers do not depend on the instruction."""
+    from kvforge.kernels.ops import INT8_DOTS
+    k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 608
+    raw = torch.from_numpy(random_blocks(qtype, 29, k, seed=17 + int(qtype)))
+    x = uneven_activations(37, k, seed=4)
+
+    def panels(dot):
+        return compiled.GgufWeight([raw], [int(qtype)], k, gemm_min_rows=1, int8_panels=True,
+                                   int8_dot=dot).linear(x)
+
+    maddubs = panels(INT8_DOTS["maddubs"])
+    for code in INT8_DOTS.values():
+        if compiled.int8_dot_supported(code):
+            assert torch.equal(panels(code), maddubs)

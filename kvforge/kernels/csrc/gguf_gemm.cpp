@@ -37,7 +37,9 @@
 // = column c's pair sums in lanes 2c, 2c + 1, added in int16 for Flush steps (16 products of a
 // 4-bit code and |q| <= 127 fit: 16 * 15 * 127 = 30480; 5-bit codes 4 steps, 6-bit 2), then
 // madd(., 1) -> 8 int32 column sums; per group one conversion, a multiply by the row's step and
-// two FMAs per row and panel.
+// two FMAs per row and panel. Where the CPU has VNNI (KVFORGE_INT8_DOT) the tile
+// (gguf_panel_tile.inc, compiled once per instruction) takes vpdpbusd instead: the products'
+// quadruple sums straight into int32, the same integers, so the same outputs bit for bit.
 #include "kernels.h"
 
 namespace kvforge {
@@ -378,74 +380,53 @@ inline __m256i broadcast_4_bytes(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// out[r][p * 8 + c] = activation row r . panel p's column c (R rows from xq, rows xs apart).
-// G: group size; Flush: k steps summed in int16 before madd (see the top of the file).
-template <int R, int P, int G, int Flush>
-void panel_tile(const int8_t* xq, int64_t xs, const float* step, const float* sum,
-                int64_t sum_stride, const uint8_t* codes, const float* scale,
-                const float* offset, int64_t k, float* out, int64_t out_stride) {
-  constexpr int kSteps = G / 4;                 // k steps per group
-  static_assert(kSteps % Flush == 0, "a group is whole flushes");
-  const int64_t panel_bytes = k * 8, panel_floats = k / G * 8;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / G; ++g) {
-    __m256i group_sum[R][P];
-    for (int f = 0; f < kSteps / Flush; ++f) {
-      __m256i pairs[R][P];
-      for (int t = 0; t < Flush; ++t) {
-        const int64_t step_index = g * kSteps + f * Flush + t;
-        __m256i w[P];
-        for (int p = 0; p < P; ++p)
-          w[p] = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(codes + p * panel_bytes + 32 * step_index));
-        for (int r = 0; r < R; ++r) {
-          const __m256i x4 = broadcast_4_bytes(xq + r * xs + 4 * step_index);
-          for (int p = 0; p < P; ++p) {
-            const __m256i prod = _mm256_maddubs_epi16(w[p], x4);
-            pairs[r][p] = t == 0 ? prod : _mm256_add_epi16(pairs[r][p], prod);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) {
-          const __m256i sums = _mm256_madd_epi16(pairs[r][p], ones);
-          group_sum[r][p] = f == 0 ? sums : _mm256_add_epi32(group_sum[r][p], sums);
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 row_step = _mm256_set1_ps(step[r * (k / 32) + g * G / 32]);
-      const __m256 row_sum = _mm256_set1_ps(sum[r * sum_stride + g]);
-      for (int p = 0; p < P; ++p) {
-        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(group_sum[r][p]), row_step);
-        acc[r][p] = _mm256_fmadd_ps(dot, _mm256_loadu_ps(scale + p * panel_floats + 8 * g),
-                                    acc[r][p]);
-        acc[r][p] = _mm256_fmadd_ps(row_sum, _mm256_loadu_ps(offset + p * panel_floats + 8 * g),
-                                    acc[r][p]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + r * out_stride + 8 * p, acc[r][p]);
-}
+// The tiles, once per int8 dot instruction (gguf_panel_tile.inc)
+namespace gguf_panels_maddubs {
+#define GGUF_DOT 0
+#include "gguf_panel_tile.inc"
+#undef GGUF_DOT
+}  // namespace gguf_panels_maddubs
+
+#if defined(KVFORGE_VNNI)
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace gguf_panels_avxvnni {
+#define GGUF_DOT 1
+#include "gguf_panel_tile.inc"
+#undef GGUF_DOT
+}  // namespace gguf_panels_avxvnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+namespace gguf_panels_avx512vnni {
+#define GGUF_DOT 2
+#include "gguf_panel_tile.inc"
+#undef GGUF_DOT
+}  // namespace gguf_panels_avx512vnni
+#pragma GCC pop_options
 #endif
 
-#if defined(__AVX2__)
-// panel_tile with R = rows (1..Rmax) rows
+// panel_tile of R = rows (1..Rmax) rows on int8 dot `dot`
 template <int Rmax, int P, int G, int Flush, class... Args>
-void panel_tile_rows(int64_t rows, Args... args) {
-  if (rows == Rmax) return panel_tile<Rmax, P, G, Flush>(args...);
-  if constexpr (Rmax > 1) panel_tile_rows<Rmax - 1, P, G, Flush>(rows, args...);
+void panel_tile_rows(int64_t dot, int64_t rows, Args... args) {
+#if defined(KVFORGE_VNNI)
+  if (dot == kDotAvxVnni)
+    return gguf_panels_avxvnni::panel_tile_rows<Rmax, P, G, Flush>(rows, args...);
+  if (dot == kDotAvx512Vnni)
+    return gguf_panels_avx512vnni::panel_tile_rows<Rmax, P, G, Flush>(rows, args...);
+#endif
+  (void)dot;
+  return gguf_panels_maddubs::panel_tile_rows<Rmax, P, G, Flush>(rows, args...);
 }
 #endif
 
 // out [rows][8 * panels] (row stride out_stride) = activation rows [m0, m0 + rows) . panels,
 // in tiles of R rows x P panels
 template <int G, int Flush, int R, int P>
-void panels_times_rows(const GemmActivations& act, int64_t m0, int64_t rows, const Panels& w,
-                       int64_t panels, int64_t k, float* out, int64_t out_stride) {
+void panels_times_rows(int64_t dot, const GemmActivations& act, int64_t m0, int64_t rows,
+                       const Panels& w, int64_t panels, int64_t k, float* out,
+                       int64_t out_stride) {
   const int64_t groups = k / G;
   const int64_t sum_stride = G == 16 ? k / 16 : k / 32;
   const float* sums = G == 16 ? act.sum16.data() : act.sum32.data();
@@ -461,25 +442,27 @@ void panels_times_rows(const GemmActivations& act, int64_t m0, int64_t rows, con
       const float* of = w.offset.data() + p0 * groups * 8;
       float* o = out + (r0 - m0) * out_stride + 8 * p0;
       if (panels - p0 >= P)
-        panel_tile_rows<R, P, G, Flush>(rn, xq, k, st, sm, sum_stride, c, sc, of, k, o, out_stride);
+        panel_tile_rows<R, P, G, Flush>(dot, rn, xq, k, st, sm, sum_stride, c, sc, of, k, o,
+                                        out_stride);
       else        // the last panels, one at a time
         for (int64_t p = p0; p < panels; ++p)
-          panel_tile_rows<R, 1, G, Flush>(rn, xq, k, st, sm, sum_stride, c + (p - p0) * k * 8,
+          panel_tile_rows<R, 1, G, Flush>(dot, rn, xq, k, st, sm, sum_stride, c + (p - p0) * k * 8,
                                           sc + (p - p0) * groups * 8, of + (p - p0) * groups * 8,
                                           k, o + 8 * (p - p0), out_stride);
     }
   }
 #else
   // portable: the same sums in the same order, scalar
+  (void)dot;
   for (int64_t m = m0; m < m0 + rows; ++m)
     for (int64_t p = 0; p < panels; ++p)
       for (int c = 0; c < 8; ++c) {
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
+          int32_t isum = 0;
           for (int64_t kk = g * G; kk < (g + 1) * G; ++kk)
-            dot += int32_t{w.codes[p * k * 8 + (kk / 4) * 32 + 4 * c + kk % 4]} * act.q[m * k + kk];
-          const float d = static_cast<float>(dot) * act.step[m * (k / 32) + g * G / 32];
+            isum += int32_t{w.codes[p * k * 8 + (kk / 4) * 32 + 4 * c + kk % 4]} * act.q[m * k + kk];
+          const float d = static_cast<float>(isum) * act.step[m * (k / 32) + g * G / 32];
           acc = std::fma(d, w.scale[(p * groups + g) * 8 + c], acc);
           acc = std::fma(sums[m * sum_stride + g], w.offset[(p * groups + g) * 8 + c], acc);
         }
@@ -488,22 +471,23 @@ void panels_times_rows(const GemmActivations& act, int64_t m0, int64_t rows, con
 #endif
 }
 
-void panels_times_rows(const PanelFormat& pf, const GemmActivations& act, int64_t m0,
-                       int64_t rows, const Panels& w, int64_t panels, int64_t k, float* out,
-                       int64_t out_stride) {
+void panels_times_rows(const PanelFormat& pf, int64_t dot, const GemmActivations& act,
+                       int64_t m0, int64_t rows, const Panels& w, int64_t panels, int64_t k,
+                       float* out, int64_t out_stride) {
   // The AVX2 build's tiles, timed on Qwen2.5-1.5B's shapes at 32 and 512 rows (Xeon; GFLOP/s
   // at 512):
   // 4-bit 4 x 2 (355-375; 3 x 2 277-304, 5 x 2 310, 2 x 4 300-324, 4 x 3 279-297, 6 x 2
   // 274-283: 16 ymm hold 8 int16 sums, 2 panels' codes and a broadcast); the codes that flush
   // every 4 or 2 steps also hold int32 group sums: 3 x 2 (Q6_K 288-299; 4 x 2 276-283, 2 x 2
   // 280-306, 4 x 1 291-293, 2 x 3 241-267)
+  // (VNNI keeps these shapes: its group sums take the registers the int16 sums took)
   if (pf.group == 16)
-    return panels_times_rows<16, 2, kFlushRows, kFlushPanels>(act, m0, rows, w, panels, k, out,
-                                                              out_stride);
+    return panels_times_rows<16, 2, kFlushRows, kFlushPanels>(dot, act, m0, rows, w, panels, k,
+                                                              out, out_stride);
   if (pf.code_bits == 5)
-    return panels_times_rows<32, 4, kFlushRows, kFlushPanels>(act, m0, rows, w, panels, k, out,
-                                                              out_stride);
-  return panels_times_rows<32, 8, kQ4Rows, kQ4Panels>(act, m0, rows, w, panels, k, out,
+    return panels_times_rows<32, 4, kFlushRows, kFlushPanels>(dot, act, m0, rows, w, panels, k,
+                                                              out, out_stride);
+  return panels_times_rows<32, 8, kQ4Rows, kQ4Panels>(dot, act, m0, rows, w, panels, k, out,
                                                       out_stride);
 }
 
@@ -516,9 +500,11 @@ int64_t panel_block_columns(int64_t k) {
 
 // Columns [n0, n1) of y (row stride ys) = activation rows . weight rows [n0, n1) of shard s
 // (+ bias[n], if given): the columns unpacked to panels once (a per-thread buffer), then every
-// row multiplied, in passes of 64 rows whose outputs stay in cache.
+// row multiplied, in passes of 64 rows whose outputs stay in cache; `dot`: the Int8Dot the
+// tiles multiply with (the same outputs from each).
 void panel_columns(const GemmActivations& act, int64_t rows, const Shards& shards, size_t s,
-                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t ys) {
+                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t ys,
+                   int64_t dot) {
   thread_local Panels w;
   thread_local std::vector<float> tile;
   const int64_t k = act.k;
@@ -529,7 +515,7 @@ void panel_columns(const GemmActivations& act, int64_t rows, const Shards& shard
   tile.resize(kPassRows * panels * 8);
   for (int64_t m0 = 0; m0 < rows; m0 += kPassRows) {
     const int64_t pass = std::min(kPassRows, rows - m0);
-    panels_times_rows(pf, act, m0, pass, w, panels, k, tile.data(), panels * 8);
+    panels_times_rows(pf, dot, act, m0, pass, w, panels, k, tile.data(), panels * 8);
     for (int64_t m = 0; m < pass; ++m) {
       const float* t = tile.data() + m * panels * 8;
       float* out = y + (m0 + m) * ys;

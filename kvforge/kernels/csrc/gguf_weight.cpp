@@ -23,11 +23,12 @@ class GgufWeight {
   // reference_kernels: the portable code-by-code kernels instead of the AVX2 ones (tests)
   // int8_panels: from gemm_min_rows rows on, the shards with a panel form (gguf_gemm.cpp) take
   // int8 panels instead of fp32 tiles
-  // int8_dot: the dot kernels' instruction (Int8Dot, kernels.h: the same outputs from each)
+  // int8_dot: the dot kernels' and panels' instruction (Int8Dot, kernels.h: the same outputs
+  // from each)
   GgufWeight(std::vector<at::Tensor> raws, std::vector<int64_t> types, int64_t in_features,
              bool reference_kernels, int64_t gemm_min_rows, bool int8_panels, int64_t int8_dot)
       : raws_(std::move(raws)), shards_(raws_, types, in_features), k_(in_features),
-        gemm_min_rows_(gemm_min_rows) {
+        gemm_min_rows_(gemm_min_rows), int8_dot_(int8_dot) {
     TORCH_CHECK(gemm_min_rows >= 0, "gemm_min_rows must be >= 0 (0: never), got ", gemm_min_rows);
     TORCH_CHECK(int8_dot_supported(int8_dot), "GgufWeight: int8 dot ", int8_dot,
                 " is not one this CPU and build have (0 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI)");
@@ -139,7 +140,7 @@ class GgufWeight {
         const int64_t n0 = first + kUnit * (u - unit_first_[s]);
         const int64_t n1 =
             std::min(shards_.first_row[s + 1], first + kUnit * (u_end - unit_first_[s]));
-        panel_columns(act, rows, shards_, s, n0, n1, bias, y, ys);
+        panel_columns(act, rows, shards_, s, n0, n1, bias, y, ys, int8_dot_);
         u = u_end;
       }
     });
@@ -227,6 +228,7 @@ class GgufWeight {
   Shards shards_;
   int64_t k_;
   int64_t gemm_min_rows_;            // rows from which linear() takes tiles / panels (0: never)
+  int64_t int8_dot_;                 // the dots' and panels' instruction (Int8Dot)
   std::vector<char> on_panels_;      // per shard: int8 panels from gemm_min_rows rows on
   bool any_on_panels_ = false, all_on_panels_ = false;
   std::vector<int64_t> unit_first_;  // run_panels' 16-column units: prefix sums per shard
