@@ -276,10 +276,9 @@ def main(argv=None) -> None:
             spec.report_cost = costs[0]
     if costs:
         c = costs[0]
-        draft = (f", draft {c.draft.fixed:.2f} + {c.draft.per_row:.2f}/row"
-                 if c.draft is not None else "")
-        print(f"cost model (single-row target forwards): target {c.target.fixed:.2f} + "
-              f"{c.target.per_row:.2f}/row{draft}")
+        draft = f"; draft {c.draft.describe()}" if c.draft is not None else ""
+        print(f"cost model (single-row target forwards) by rows: target {c.target.describe()}"
+              f"{draft}")
     workloads = _workloads(next(iter(llms.values())).engine.tokenizer, args)
     for llm in llms.values():
         _run(llm, [workloads[next(iter(workloads))][0]], 1, 8)          # warm-up

@@ -99,7 +99,7 @@ class EngineConfig:
     speculative_draft_layers: int | None = None  # self-draft depth; None = num_layers // 4
                                                  # (early-exit: the shallowest trained head)
     speculative_ngram_min: int = 1
-    speculative_ngram_max: int = 4
+    speculative_ngram_max: int = 32
     # draft model: check an n-gram guess in the draft's catch-up pass (copied spans at the cost
     # of one draft forward), and stop drafting after a greedy draft below this probability
     speculative_draft_ngram: bool = True

@@ -30,6 +30,11 @@ class TokenProposer(ABC):
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """At most ``max_tokens`` (>= 1) guesses for the tokens after ``token_ids``; [] if none."""
 
+    def propose_matched(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """(guesses, n): the guesses and how many tokens of context they matched, which the
+        decoder keeps acceptance by (0: the proposer has no such measure)."""
+        return self.propose(token_ids, max_tokens), 0
+
 
 class DraftProposer(ABC):
     """Drafts with a model after scheduling.

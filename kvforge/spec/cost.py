@@ -3,7 +3,17 @@
 A forward over r rows costs ``fixed + per_row * r``: reading the weights (once per forward)
 plus the work per row. A memory-bound kernel has per_row ~ 0; GGUF block kernels on a 2-core
 AVX2 CPU pay ~0.4 of a step per extra row (codes x activations in integers), so verification
-rows are not free there and k must be chosen, not maximised.
+rows are not free there and k must be chosen, not maximised. The line bends: the first rows'
+integer work hides under the weights' memory traffic, later ones pay in full, so ``calibrate``
+times several row counts and a cost is the line through those points:
+
+    ms    Qwen2.5-Coder-1.5B Q4_K_M, 2-core Xeon (VNNI), one sequence, LM head on every row
+    164 |                                      *  8
+    125 |                           *  6
+     86 |                *  4                      a line through 1 and 4 rows would put
+     67 |     *  2                                 8 rows at 112 ms
+     63 |  *  1
+        +------------------------------------------ rows
 
 A request that proposes k tokens with per-token acceptance alpha emits on average
 
@@ -28,22 +38,62 @@ import torch
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Cost of a forward over r rows: fixed + per_row * r (seconds or relative units)."""
+    """Cost of a forward over r rows (seconds or relative units): ``fixed + per_row * r``, or,
+    with ``points`` ((rows, cost) measured, rows ascending), the line through them: between
+    two points by interpolation, before the first and past the last along the nearest
+    segment (``fixed`` / ``per_row``: the first segment's line)."""
     fixed: float
     per_row: float
+    points: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.fixed < 0 or self.per_row < 0 or self.fixed + self.per_row <= 0:
             raise ValueError(f"forward cost needs fixed, per_row >= 0 and a positive sum, got "
                              f"fixed={self.fixed!r}, per_row={self.per_row!r}")
+        rows = [r for r, _ in self.points]
+        if self.points and (len(rows) < 2 or rows != sorted(set(rows)) or rows[0] < 1
+                            or any(c <= 0 for _, c in self.points)):
+            raise ValueError(f"forward cost points need >= 2 distinct ascending row counts "
+                             f">= 1 with positive costs, got {self.points!r}")
 
-    def __call__(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows
+    def __call__(self, rows: float) -> float:
+        pts = self.points
+        if not pts:
+            return self.fixed + self.per_row * rows
+        i = 1                                # the segment: pts[i - 1] .. pts[i]
+        while i < len(pts) - 1 and rows > pts[i][0]:
+            i += 1
+        (r0, c0), (r1, c1) = pts[i - 1], pts[i]
+        return max(0.0, c0 + (c1 - c0) / (r1 - r0) * (rows - r0))
+
+    def scaled(self, unit: float) -> "ForwardCost":
+        """The same cost in units of ``unit``."""
+        return ForwardCost(self.fixed / unit, self.per_row / unit,
+                           tuple((r, c / unit) for r, c in self.points))
+
+    def describe(self) -> str:
+        """'1: 1.00, 2: 1.07, ..' (rows: cost), or 'fixed + per_row/row'."""
+        if not self.points:
+            return f"{self.fixed:.2f} + {self.per_row:.2f}/row"
+        return ", ".join(f"{r}: {c:.2f}" for r, c in self.points)
 
     @classmethod
     def from_timings(cls, one_row: float, rows: int, many_rows: float) -> "ForwardCost":
         per_row = max(0.0, (many_rows - one_row) / (rows - 1))
         return cls(fixed=max(0.0, one_row - per_row), per_row=per_row)
+
+    @classmethod
+    def from_points(cls, points: list[tuple[int, float]]) -> "ForwardCost":
+        """The line through measured (rows, cost) points (>= 2, rows ascending)."""
+        # a point measured below the one before (timing noise) counts as level with it: more
+        # rows never cost less
+        level, cumulative = 0.0, []
+        for r, c in points:
+            level = max(level, float(c))
+            cumulative.append((int(r), level))
+        (r0, c0), (r1, c1) = cumulative[0], cumulative[1]
+        per_row = (c1 - c0) / (r1 - r0)
+        return cls(fixed=max(0.0, c0 - per_row * r0), per_row=per_row, points=tuple(cumulative))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -71,10 +121,11 @@ class SpecCostModel:
         if k <= 0:
             return 1.0
         share = self.target(batch) / batch
-        cost = share + self.target.per_row * k
+        # the step verifies every request's k (the batch taken alike): its share of that step
+        cost = self.target(batch * (1 + k)) / batch
         if self.draft is not None:
-            # a draft pass serves the whole batch; its fixed part is shared like the target's
-            cost += (self.draft.fixed / batch + self.draft.per_row) * k * model_fraction
+            # k draft passes, each over the batch's rows (its fixed part shared like the target's)
+            cost += self.draft(batch) / batch * k * model_fraction
         return expected_tokens(alpha, k) * share / cost
 
     def best(self, alpha: float, k_max: int, batch: int = 1, model_fraction: float = 1.0
@@ -93,11 +144,11 @@ class SpecCostModel:
         return self.best(alpha, k_max, batch, model_fraction)[0]
 
 
-def time_forward(forward, rows: int, repeats: int = 3) -> float:
-    """Fastest of ``repeats`` calls of ``forward(rows)`` after two warm-up calls (the first
+def time_forward(forward, rows: int, repeats: int = 3, warmup: int = 2) -> float:
+    """Fastest of ``repeats`` calls of ``forward(rows)`` after ``warmup`` calls (the first
     pages a memory-mapped model in; the minimum drops what other processes took)."""
-    forward(rows)
-    forward(rows)
+    for _ in range(warmup):
+        forward(rows)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -106,18 +157,22 @@ def time_forward(forward, rows: int, repeats: int = 3) -> float:
     return min(times)
 
 
-def calibrate(target_forward, draft_forward=None, rows: int = 4,
+def calibrate(target_forward, draft_forward=None, rows: int = 8,
               min_gain: float = 1.05) -> SpecCostModel:
-    """Measure both models at 1 and ``rows`` rows (one sequence each) on this machine and
-    express every cost in single-row target forwards."""
+    """Measure both models on this machine at 1, 2, 4, 8 and ``rows`` rows (one sequence
+    each; ``rows``: the most a step verifies) and express every cost in single-row target
+    forwards."""
+    counts = sorted({1, 2, max(rows, 2)} | {r for r in (4, 8) if r < rows})
     with torch.inference_mode():
-        t1, tn = time_forward(target_forward, 1), time_forward(target_forward, rows)
-        target = ForwardCost.from_timings(t1, rows, tn)
+        target = _measured(target_forward, counts)
         unit = target(1)
-        target = ForwardCost(target.fixed / unit, target.per_row / unit)
+        target = target.scaled(unit)
         draft = None
         if draft_forward is not None:
-            d1, dn = time_forward(draft_forward, 1), time_forward(draft_forward, rows)
-            raw = ForwardCost.from_timings(d1, rows, dn)
-            draft = ForwardCost(raw.fixed / unit, raw.per_row / unit)
+            draft = _measured(draft_forward, [r for r in counts if r <= 8] or [1, 2]).scaled(unit)
     return SpecCostModel(target, draft, min_gain=min_gain)
+
+
+def _measured(forward, counts: list[int]) -> ForwardCost:
+    forward(counts[-1])                  # pages the weights in, sizes the buffers
+    return ForwardCost.from_points([(r, time_forward(forward, r, warmup=1)) for r in counts])

@@ -28,7 +28,9 @@ Adaptive policy, by what a proposal costs:
   the rows above, so the n-gram decoder sets it to 0.
 * cost model (``cost``, spec/cost.py, measured at start): replaces the row cap and the
   acceptance floor above. Each request keeps an estimate of its per-token acceptance alpha per
-  proposer (an EMA over its steps). With both an n-gram proposer and a draft model it takes,
+  proposer (an EMA over its steps); for n-gram guesses one per length of the context the guess
+  matched (1-2, 3-7, 8+ tokens: chance vs a copied span), a length whose guesses do not pay
+  sitting out its next guesses (doubling pauses) while the others and the draft model go on. With both an n-gram proposer and a draft model it takes,
   per step, whichever predicts the higher speedup: the n-gram guess (if there is one) at no
   draft cost, or the draft model; each at the k with the best predicted speedup for its alpha
   at this batch size, or neither when nothing beats decoding alone. If even alpha = 1 would
@@ -55,6 +57,13 @@ _EMA = 0.5            # weight of the newest step in a request's acceptance aver
 _MAX_BACKOFF = 64
 _ALPHA_EMA = 0.3      # weight of the newest step in a request's per-token acceptance estimate
 _ALPHA_PRIOR = 0.8    # what a request that has not speculated yet is assumed to accept
+# n-gram guesses keep their acceptance apart by the length of the context they matched: a
+# match of 1-2 tokens is often chance, one of 8+ the answer copying its prompt
+_MATCH_BUCKETS = (3, 8)           # lengths 1-2 | 3-7 | 8+
+
+
+def _match_bucket(matched: int) -> int:
+    return sum(matched >= edge for edge in _MATCH_BUCKETS)
 
 
 @dataclass
@@ -89,7 +98,12 @@ class _History:
     k: int                       # this request's proposal length now
     ema: float = 1.0
     alpha: float = _ALPHA_PRIOR          # per-token acceptance of the draft model's proposals
-    alpha_ngram: float = _ALPHA_PRIOR    # ... of n-gram guesses
+    # ... of n-gram guesses, per match-length bucket; a bucket whose guesses do not pay
+    # sits out `ngram_skips` of its guesses, then probes again from the prior
+    alpha_ngram: list[float] = field(default_factory=lambda: [_ALPHA_PRIOR] * 3)
+    ngram_skips: list[int] = field(default_factory=lambda: [0] * 3)
+    ngram_backoff: list[int] = field(default_factory=lambda: [4] * 3)
+    bucket: int = 0                      # the match-length bucket of the guess in flight
     skip_steps: int = 0
     backoff: int = 4
     draft_skip_steps: int = 0            # the draft model alone paused (n-gram guesses go on)
@@ -118,6 +132,9 @@ class SpecDecoder:
     guard: SpeedGuard | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     _history: dict[str, _History] = field(default_factory=dict)
+    # this step is a plain one the speed guard takes to measure (warm-up, probe): one token,
+    # not a multi-step call (spec/speed_guard.py)
+    plain_probe: bool = False
     _draft_seen: tuple[int, int] = (0, 0)      # draft (passes, rows) already accounted
     _draft_prefills_seen: int = 0
 
@@ -143,8 +160,10 @@ class SpecDecoder:
         if self.cost is not None and decoding:
             # would a perfect proposer pay at this batch size? (its k rows cost the same)
             active = active and self.cost.best_k(1.0, per_request, len(decoding), 0.0) > 0
+        self.plain_probe = False
         if active and self.guard is not None and decoding:
             active = self.guard.allow(len(decoding))
+            self.plain_probe = not active and self.guard.exploring
         live_ids = set()
         for req in running:
             req.spec_token_ids = []
@@ -161,8 +180,8 @@ class SpecDecoder:
             k = min(hist.k, per_request, self._max_proposal(req))
             if k <= 0:
                 continue
-            guess = (self.token_proposer.propose(req.all_token_ids, k)
-                     if self.token_proposer is not None else [])
+            guess, matched = (self.token_proposer.propose_matched(req.all_token_ids, k)
+                              if self.token_proposer is not None else ([], 0))
             if self.cost is None:
                 if guess or not self.model_drafts:
                     req.spec_token_ids, hist.source = guess, "ngram"
@@ -170,8 +189,12 @@ class SpecDecoder:
                     req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * k, "draft"
                 continue
             batch = len(decoding)
-            ngram_k, ngram_gain = (self.cost.best(hist.alpha_ngram, len(guess), batch, 0.0)
-                                   if guess else (0, 1.0))
+            bucket = _match_bucket(matched)
+            if guess and hist.ngram_skips[bucket] > 0:
+                hist.ngram_skips[bucket] -= 1
+                guess = []
+            ngram_k, ngram_gain = (self.cost.best(hist.alpha_ngram[bucket], len(guess), batch,
+                                                  0.0) if guess else (0, 1.0))
             draft_k, draft_gain = 0, 1.0
             if self.model_drafts and hist.draft_skip_steps > 0:
                 hist.draft_skip_steps -= 1
@@ -185,12 +208,20 @@ class SpecDecoder:
                     hist.alpha = _ALPHA_PRIOR
             if ngram_k and ngram_gain >= draft_gain:
                 req.spec_token_ids, hist.source = guess[:ngram_k], "ngram"
+                hist.bucket = bucket
             elif draft_k:
                 req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * draft_k, "draft"
-            elif guess and self.cost.best_k(1.0, len(guess), batch, 0.0):
-                # the guesses' acceptance does not pay now: pause, then probe from the prior
-                self._pause(hist)
-                hist.alpha_ngram = _ALPHA_PRIOR
+            if guess and not ngram_k and self.cost.best_k(1.0, len(guess), batch, 0.0):
+                # this bucket's acceptance does not pay now: probe it again from the prior
+                # after a pause; with a draft model the pause is the bucket's alone (its
+                # next guesses), the draft model and other buckets go on
+                hist.alpha_ngram[bucket] = _ALPHA_PRIOR
+                if self.model_drafts:
+                    hist.ngram_skips[bucket] = hist.ngram_backoff[bucket]
+                    hist.ngram_backoff[bucket] = min(hist.ngram_backoff[bucket] * 2,
+                                                     _MAX_BACKOFF)
+                elif not draft_k:
+                    self._pause(hist)
         for rid in [rid for rid in self._history if rid not in live_ids]:
             del self._history[rid]
 
@@ -226,7 +257,8 @@ class SpecDecoder:
             seen = accepted / (accepted + (accepted < len(drafts)))
             if hist.source == "ngram":
                 self.stats.num_ngram_steps += 1
-                hist.alpha_ngram = (1 - _ALPHA_EMA) * hist.alpha_ngram + _ALPHA_EMA * seen
+                b = hist.bucket
+                hist.alpha_ngram[b] = (1 - _ALPHA_EMA) * hist.alpha_ngram[b] + _ALPHA_EMA * seen
             else:
                 hist.alpha = (1 - _ALPHA_EMA) * hist.alpha + _ALPHA_EMA * seen
             hist.ema = (1 - _EMA) * hist.ema + _EMA * accepted / len(drafts)
@@ -264,8 +296,9 @@ class SpecDecoder:
         if self.draft_stats is not None and cost.draft is not None:
             passes, rows = self.draft_stats.num_passes, self.draft_stats.num_rows
             seen_passes, seen_rows = self._draft_seen
-            draft_cost = (cost.draft.fixed * (passes - seen_passes)
-                          + cost.draft.per_row * (rows - seen_rows))
+            if passes > seen_passes:         # the passes' mean row count prices them
+                draft_cost = (passes - seen_passes) * cost.draft(
+                    (rows - seen_rows) / (passes - seen_passes))
             self._draft_seen = (passes, rows)
         rows = emitted = num_decodes = 0
         steps = 1

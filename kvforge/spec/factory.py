@@ -17,7 +17,7 @@ from kvforge.spec.speed_guard import SpeedGuard
 logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft", "early-exit")
-SPECULATION_MIN_GAIN = 1.25
+SPECULATION_MIN_GAIN = 1.05
 
 
 def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder | None:
@@ -70,13 +70,14 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
     cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches, logits_rows=None),
                      _timed_forward(runner, runner.draft_model, runner.draft_kv_caches,
                                     logits_rows=1),
-                     # measured on the Qwen2.5-Coder pair (docs/speculative.md), speculation
-                     # ran ~25% below the model's prediction (per-step overheads it does not
-                     # price, rows slower under load): speculate only where it predicts more
+                     rows=exact_rows or 8,
+                     # with rows timed up to the most a step verifies, predictions on the
+                     # Qwen2.5-Coder pair came within ~5% of the measured speed-ups (a line
+                     # through 1 and 4 rows had run ~25% high): a small margin for what it
+                     # does not price (bookkeeping, no multi-step decoding)
                      min_gain=SPECULATION_MIN_GAIN)
-    logger.info("speculation costs (single-row target forwards): target %.2f + %.2f/row, "
-                "draft %.2f + %.2f/row", cost.target.fixed, cost.target.per_row,
-                cost.draft.fixed, cost.draft.per_row)
+    logger.info("speculation costs (single-row target forwards) by rows: target %s, draft %s",
+                cost.target.describe(), cost.draft.describe())
     # n-gram guesses first where they pay more (no draft forward); the draft model elsewhere
     return SpecDecoder(config.num_speculative_tokens, ngram, max_len_per_request, cost=cost,
                        model_drafts=True, draft_stats=runner.drafter.stats,

@@ -30,7 +30,12 @@ Why windows of many steps and single-step probes: what speculation gains comes i
 moment, not the arm: probes spread over the run see every kind of stretch, and the window's
 average is what the arm gives over them. Exploration is the price: 1 step in ``probe_every``
 on the losing arm (~2% of the time lost where speculation runs at 0.76x, ~1.5% where it
-would run at 1.25x), and the warm-up at each batch size the first time it occurs.
+would run at 1.25x), and the warm-up at each batch size the first time it occurs. A plain
+step taken to explore (warm-up, probe: ``exploring``) runs one token, not a multi-step call
+of several (LLMEngine.step): on the 1.5B's code edits, where speculation runs at ~0.5 of a
+plain token's time, 4-token calls made the warm-up and probes cost ~10% of the run. One step
+costs a few percent more a token than a multi-step call, which biases the comparison that
+little towards speculation.
 """
 from __future__ import annotations
 
@@ -78,6 +83,8 @@ class SpeedGuard:
     probe_every: int = 16
     hysteresis: float = 0.03
     stats: SpeedGuardStats = field(default_factory=SpeedGuardStats)
+    # the last ``allow`` answered for a warm-up or probe step, not the exploited arm
+    exploring: bool = False
     _sizes: dict[int, _BatchSize] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,11 +109,14 @@ class SpeedGuard:
             # warm-up: alternate, then give the arm still short of steps its turn (a step
             # allowed to speculate may propose nothing and count as plain)
             allowed = spec_short if spec_short != plain_short else size.steps % 2 == 1
+            self.exploring = True
         elif size.steps % self.probe_every == 0:
             allowed = not size.speculate
             self.stats.probe_steps += 1
+            self.exploring = True
         else:
             allowed = size.speculate
+            self.exploring = False
         if not allowed:
             self.stats.denied_steps += 1
         return allowed

@@ -1,4 +1,4 @@
-"""NgramProposer: latest occurrence, longest n first, truncation, no match."""
+"""NgramProposer: the longest earlier match, its latest occurrence, truncation, no match."""
 import pytest
 
 from kvforge.spec.ngram import NgramProposer
@@ -38,3 +38,36 @@ def test_bad_arguments():
         NgramProposer(min_n=3, max_n=2)
     with pytest.raises(ValueError, match="max_tokens"):
         NgramProposer().propose([1, 1], 0)
+
+
+def test_the_longest_match_beats_a_later_shorter_one_past_four_tokens():
+    #         0  1  2  3  4  5  6    7  8  9 10 11    12 13 14 15 16 17
+    tokens = [1, 2, 3, 4, 5, 6, 70, 3, 4, 5, 6, 90, 1, 2, 3, 4, 5, 6]
+    # "1 2 3 4 5 6" occurred at 0 (followed by 70); its last four, "3 4 5 6", also at 7
+    # (followed by 90), later: a 4-token limit takes the later, shorter match
+    assert NgramProposer(1, 32).propose_matched(tokens, 2) == ([70, 3], 6)
+    assert NgramProposer(1, 4).propose_matched(tokens, 2) == ([90, 1], 4)
+
+
+def test_match_length_reported_and_min_n_respected():
+    tokens = [5, 6, 7, 8, 6, 7]
+    assert NgramProposer(1, 32).propose_matched(tokens, 3) == ([8, 6, 7], 2)
+    assert NgramProposer(3, 32).propose_matched(tokens, 3) == ([], 0)
+    # a run of one token matches itself shifted by one: the match may overlap the suffix
+    assert NgramProposer(1, 32).propose_matched([4, 4, 4, 4], 2) == ([4], 3)
+
+
+def test_agrees_with_a_brute_force_search_on_random_tokens():
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        max_n = rng.randrange(1, 10)
+        best_n, best_end = 0, None
+        for n in range(1, min(max_n, len(tokens) - 1) + 1):
+            ends = [e for e in range(n - 1, len(tokens) - 1)
+                    if tokens[e - n + 1:e + 1] == tokens[-n:]]
+            if ends:
+                best_n, best_end = n, ends[-1]
+        expected = (tokens[best_end + 1:best_end + 4], best_n) if best_n else ([], 0)
+        assert NgramProposer(1, max_n).propose_matched(tokens, 3) == expected, (tokens, max_n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvforge.sched.output import SchedulerOutput
-from kvforge.spec.base import DRAFT_PLACEHOLDER
+from kvforge.spec.base import DRAFT_PLACEHOLDER, TokenProposer
 from kvforge.spec.cost import ForwardCost, SpecCostModel, expected_tokens
 from kvforge.spec.decoder import SpecDecoder
 from kvforge.spec.draft import DraftStats
@@ -21,6 +21,31 @@ def test_forward_cost_from_timings_and_validation():
     assert cost(4) == pytest.approx(0.22)
     with pytest.raises(ValueError, match="per_row"):
         ForwardCost(fixed=1.0, per_row=-0.1)
+
+
+def test_measured_points_bend_the_line():
+    # the 1.5B's shape: rows up to 4 nearly hidden under the weights' reads, then ~0.28 each
+    cost = ForwardCost.from_points([(1, 1.0), (2, 1.1), (4, 1.35), (8, 2.45)])
+    assert cost(1) == pytest.approx(1.0) and cost(8) == pytest.approx(2.45)
+    assert cost(3) == pytest.approx(1.225)                  # between 2 and 4
+    assert cost(12) == pytest.approx(2.45 + 4 * 0.275)      # the last segment, extended
+    assert cost.fixed == pytest.approx(0.9) and cost.per_row == pytest.approx(0.1)
+    # a line through 1 and 4 rows (what two timings give) prices 8 rows far too low
+    assert ForwardCost.from_timings(1.0, 4, 1.35)(8) < 0.75 * cost(8)
+    # a point timed below the one before (noise) is taken as level with it
+    noisy = ForwardCost.from_points([(1, 1.0), (2, 0.9), (4, 1.2)])
+    assert noisy(2) == pytest.approx(1.0) and noisy(3) == pytest.approx(1.1)
+    assert cost.scaled(2.0)(8) == pytest.approx(2.45 / 2)
+    with pytest.raises(ValueError, match="points"):
+        ForwardCost(1.0, 0.0, points=((2, 1.0), (1, 1.0)))
+
+
+def test_bent_costs_choose_fewer_rows_than_the_straight_line():
+    bent = SpecCostModel(ForwardCost.from_points([(1, 1.0), (2, 1.1), (4, 1.35), (8, 2.45)]))
+    straight = SpecCostModel(ForwardCost.from_timings(1.0, 4, 1.35))
+    assert bent.best_k(0.8, 7) < straight.best_k(0.8, 7)
+    # a batch of 2 proposing k = 3 verifies 8 rows: its share of that step
+    assert bent.speedup(1.0, 3, batch=2) == pytest.approx(4 * (1.1 / 2) / (2.45 / 2))
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -146,3 +171,30 @@ def test_min_gain_keeps_marginal_predictions_from_speculating():
     assert SpecCostModel(GGUF_ROWS, min_gain=1.25).best_k(0.9, 7) > 0
     with pytest.raises(ValueError, match="min_gain"):
         SpecCostModel(GGUF_ROWS, min_gain=0.9)
+
+
+class ByLength(TokenProposer):
+    """Token 7s, reported as matching ``matched`` tokens of context."""
+    matched = 1
+
+    def propose(self, token_ids, max_tokens):
+        return [7] * max_tokens
+
+    def propose_matched(self, token_ids, max_tokens):
+        return self.propose(token_ids, max_tokens), self.matched
+
+
+def test_ngram_acceptance_is_kept_per_match_length():
+    proposer = ByLength()
+    spec = SpecDecoder(4, proposer, 1000, model_drafts=True, draft_stats=DraftStats(),
+                       cost=SpecCostModel(GGUF_ROWS, ForwardCost(fixed=2.0, per_row=0.5)))
+    reqs = decoding(1)
+    # short matches (chance) keep failing: their guesses stop ...
+    proposals = [_step(spec, reqs, accepted=0)["r0"] for _ in range(6)]
+    assert proposals[0] == [7] * len(proposals[0]) and proposals[0]
+    assert not proposals[-1], proposals
+    # ... while a long match (a copied span) is still guessed at once, from the prior
+    proposer.matched = 12
+    assert _step(spec, reqs, accepted=4)["r0"][0] == 7
+    hist = spec._history["r0"]
+    assert hist.alpha_ngram[2] > hist.alpha_ngram[0]

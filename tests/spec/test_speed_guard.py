@@ -172,6 +172,41 @@ def test_engine_stops_speculating_where_its_steps_are_slower(tiny_path):
     assert engine.num_free_blocks == engine.runner.num_blocks
 
 
+def test_plain_steps_taken_to_measure_run_one_token_and_the_exploited_arm_several(tiny_path):
+    """Warm-up and probe steps without speculation cost the tokens they hold back: they run
+    one decode step; once plain decoding is the exploited arm it runs multi-step calls."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts = _prompts()[:1]
+    alone = LLM(tiny_path, block_size=4, num_kv_blocks=256, max_num_seqs=1)
+    expected = [o.outputs[0].token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_path, block_size=4, num_kv_blocks=256, max_num_seqs=1,
+              speculative_method="ngram", num_speculative_tokens=4, num_decode_steps=4)
+    engine = llm.engine
+    engine.spec.min_acceptance, engine.spec.max_verify_rows = 0.0, None
+    engine.spec.token_proposer = Repeat()
+    execute = engine.runner.execute
+    plain_calls = []                     # (the guard exploring?, lookahead) per plain decode
+
+    def slow_when_speculating(sched):
+        if any(sched.spec_token_ids.values()):
+            time.sleep(0.02)
+        elif sched.scheduled and all(sched.num_scheduled_tokens[r.request_id]
+                                     == 1 + sched.num_lookahead_tokens.get(r.request_id, 0)
+                                     for r in sched.scheduled):
+            plain_calls.append((engine.spec.guard.exploring,
+                                max(sched.num_lookahead_tokens.values(), default=0)))
+        return execute(sched)
+    engine.runner.execute = slow_when_speculating
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.spec.guard.speculating(1) is False
+    exploring = [ahead for explored, ahead in plain_calls if explored]
+    exploiting = [ahead for explored, ahead in plain_calls if not explored]
+    assert exploring and all(ahead == 0 for ahead in exploring), plain_calls
+    assert exploiting and any(ahead > 0 for ahead in exploiting), plain_calls
+    engine.check_integrity()
+
+
 def test_the_guard_is_on_by_default_and_the_flag_turns_it_off(tiny_path):
     from tests.helpers.cli import engine_config_from_flags
     assert engine_config_from_flags(["--speculative-method", "ngram"]).speculative_speed_guard
