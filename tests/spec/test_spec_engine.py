@@ -118,20 +118,20 @@ def test_gguf_verification_rows_stay_below_the_many_row_kernels(default_model_pa
     """From its crossover a GGUF projection leaves the integer dots for int8 panels or fp32
     tiles, which round otherwise: a verification step of that many rows would score proposals
     with other bits than the plain step. The rows per step stay below the smallest crossover
-    of the model (here 6 for every block type: 5 rows, k = 4 of the 7 asked), so no token
-    changes."""
-    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "6")
+    of the model (here 4 for every block type: 3 rows, k = 2 of the 7 asked; below the rows
+    the fp32 kernel takes in one pass on either ISA, 4 with AVX2), so no token changes."""
+    monkeypatch.setenv("KVFORGE_GGUF_GEMM_ROWS", "4")
     prompts = _prompts()[:1]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     base, _, _ = _run(default_model_path, prompts=prompts, max_model_len=256, params=params)
     llm = LLM(default_model_path, block_size=BLOCK, num_kv_blocks=256, max_model_len=256,
               speculative_method="ngram", num_speculative_tokens=7)
-    assert llm.engine.spec.max_verify_rows == 5
+    assert llm.engine.spec.max_verify_rows == 3
     llm.engine.spec.guard = None                  # keep proposing whatever the step times say
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.check_integrity()
     stats = llm.engine.spec_stats
-    assert 0 < stats.num_proposed <= 4 * stats.num_verify_steps
+    assert 0 < stats.num_proposed <= 2 * stats.num_verify_steps
     assert tokens == base
 
 

@@ -417,7 +417,7 @@ struct Shards {
 };
 
 // Activation rows one pass of the dot kernels takes (their per-thread buffers); more rows run
-// as passes of this many. The kernels decode each weight block once per group of 4 rows, so
+// as passes of this many. The kernels decode each weight block once per group of 8 rows, so
 // a pass of 64 rows reads the weights once per 64 rows and multiplies in int8 at the rate of
 // fp32 FMA: timed on a Q4_K gate|up of Qwen2.5-1.5B (2 AVX2 cores), 0.22 ms a row at 64 rows,
 // where fp32 tiles + ATen's GEMM took 0.22-0.42 ms a row at 65-512 rows (an AMD CPU: on Intel
@@ -426,7 +426,7 @@ struct Shards {
 // fp32 loop without blocking.
 constexpr int64_t kGgufDotRowsMax = 64;
 // activation rows one dot kernel call takes (a block's codes decoded once for all of them)
-constexpr int64_t kGgufDotGroupRows = 4;
+constexpr int64_t kGgufDotGroupRows = 8;
 // how far ahead of its reads a dot kernel prefetches the weight stream (gguf_dot.cpp)
 constexpr int64_t kGgufPrefetchAhead = 8192;
 

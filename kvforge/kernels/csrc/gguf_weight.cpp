@@ -68,11 +68,11 @@ class GgufWeight {
       acts = act.rows(rows);
     }
     // Many activation rows (a prefill pass) run as tiles: the chunk's weight rows (<= 32, in
-    // L1/L2) against one group of 4 activation rows after another, so each group's int8 rows
-    // stay in L1 across the chunk instead of all the pass's rows (64 x K bytes: 98 KB at
-    // K = 1536, more than L2 at 8960) streaming again for every weight row.
+    // L1/L2) against one group of 8 activation rows after another, so each group's int8 rows
+    // stay in L1 (L2 past K = 6144) across the chunk instead of all the pass's rows (64 x K
+    // bytes: 98 KB at K = 1536, more than L2 at 8960) streaming again for every weight row.
     //
-    //   tile[i][m] = W row (n0 + i) . activation row m      groups of 4 rows m, kernel calls
+    //   tile[i][m] = W row (n0 + i) . activation row m      groups of 8 rows m, kernel calls
     //                 i: 0 .. n1 - n0  (inner loop)          as when a row runs alone
     float tile[kChunkRows][kGgufDotRowsMax];
     team.for_shares(out_features(), kChunkRows, claims, [&](int64_t n0, int64_t n1,
