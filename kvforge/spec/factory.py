@@ -43,10 +43,15 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
     if exact_rows is not None:
         max_rows = exact_rows if max_rows is None else min(max_rows, exact_rows)
     if method == "ngram":
-        # proposals cost only verification rows: shrink on rejection, never pause
+        # proposals cost only verification rows, priced as timed: k per request from its
+        # acceptance (per match length), none where no guess pays
+        cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches, logits_rows=None),
+                         rows=max_rows or 8, min_gain=SPECULATION_MIN_GAIN)
+        logger.info("speculation costs (single-row target forwards) by rows: target %s",
+                    cost.target.describe())
         return SpecDecoder(config.num_speculative_tokens, NgramProposer(
             config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request,
-            min_acceptance=0.0, max_verify_rows=max_rows)
+            cost=cost, max_verify_rows=max_rows)
     target = runner.model
     if method == "early-exit":
         runner.drafter = ModelDraftProposer(_exit_draft(config, runner), runner.block_size,

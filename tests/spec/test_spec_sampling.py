@@ -46,6 +46,7 @@ def _sample_triples(llm, prompt: list[int]) -> list[tuple[int, ...]]:
     spec.disable_batch_size = NUM_SAMPLES     # speculate in a batch of all samples
     spec.max_verify_rows = None
     spec.guard = None                         # ... however slow its steps measure
+    spec.cost = None                          # ... whatever the timed rows cost
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=NUM_OUT,
                              ignore_eos=True, seed=s) for s in range(NUM_SAMPLES)]
     outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)

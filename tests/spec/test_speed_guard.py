@@ -153,6 +153,7 @@ def test_engine_stops_speculating_where_its_steps_are_slower(tiny_path):
               speculative_method="ngram", num_speculative_tokens=4, num_decode_steps=1)
     engine = llm.engine
     engine.spec.min_acceptance, engine.spec.max_verify_rows = 0.0, None
+    engine.spec.cost = None                 # every step proposes, whatever rows cost
     engine.spec.token_proposer = Repeat()
     execute = engine.runner.execute
 
@@ -183,6 +184,7 @@ def test_plain_steps_taken_to_measure_run_one_token_and_the_exploited_arm_severa
               speculative_method="ngram", num_speculative_tokens=4, num_decode_steps=4)
     engine = llm.engine
     engine.spec.min_acceptance, engine.spec.max_verify_rows = 0.0, None
+    engine.spec.cost = None                 # every step proposes, whatever rows cost
     engine.spec.token_proposer = Repeat()
     execute = engine.runner.execute
     plain_calls = []                     # (the guard exploring?, lookahead) per plain decode
