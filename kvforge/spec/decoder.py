@@ -212,16 +212,12 @@ class SpecDecoder:
             elif draft_k:
                 req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * draft_k, "draft"
             if guess and not ngram_k and self.cost.best_k(1.0, len(guess), batch, 0.0):
-                # this bucket's acceptance does not pay now: probe it again from the prior
-                # after a pause; with a draft model the pause is the bucket's alone (its
-                # next guesses), the draft model and other buckets go on
+                # this bucket's acceptance does not pay now: it sits out its next guesses
+                # (doubling pauses), then probes from the prior; the draft model and guesses
+                # of other match lengths go on
                 hist.alpha_ngram[bucket] = _ALPHA_PRIOR
-                if self.model_drafts:
-                    hist.ngram_skips[bucket] = hist.ngram_backoff[bucket]
-                    hist.ngram_backoff[bucket] = min(hist.ngram_backoff[bucket] * 2,
-                                                     _MAX_BACKOFF)
-                elif not draft_k:
-                    self._pause(hist)
+                hist.ngram_skips[bucket] = hist.ngram_backoff[bucket]
+                hist.ngram_backoff[bucket] = min(hist.ngram_backoff[bucket] * 2, _MAX_BACKOFF)
         for rid in [rid for rid in self._history if rid not in live_ids]:
             del self._history[rid]
 
