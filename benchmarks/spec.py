@@ -264,6 +264,7 @@ def main(argv=None) -> None:
         llms[label] = LLM(args.model, **kwargs)
     costs = [llm.engine.spec.cost for llm in llms.values()
              if llm.engine.spec is not None and llm.engine.spec.cost is not None]
+    costs.sort(key=lambda c: c.draft is None)          # one with the draft's costs first
     for method, llm in llms.items():
         spec = llm.engine.spec
         if spec is None:

@@ -221,11 +221,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.before_schedule(self.scheduler.running)
         # a step in which nobody speculates (paused: it would not pay) may decode several
-        # tokens per call like an engine without speculation, but not a plain step the speed
-        # guard takes to measure (it costs every token it holds back)
-        probing = self.spec is not None and self.spec.plain_probe
-        if (self._max_decode_steps > 1 and not probing
-                and not any(r.spec_token_ids for r in self.scheduler.running)):
+        # tokens per call like an engine without speculation
+        if self._max_decode_steps > 1 and not any(r.spec_token_ids for r in self.scheduler.running):
             plan_decode_steps(self.scheduler.running, self.scheduler.decode_steps_allowed(),
                               self._max_decode_steps, self.max_len_per_request, self.runner.model)
         sched = self.scheduler.schedule()

@@ -157,11 +157,17 @@ def time_forward(forward, rows: int, repeats: int = 3, warmup: int = 2) -> float
     return min(times)
 
 
+# the draft's catch-up over a request's whole context (its first draft) is a prefill: timed
+# at this many rows, where prompt chunks run on the many-row kernels, so that longer runs are
+# priced along that segment, not along the few-row dots' (~2.5x too dear on the 0.5B)
+PREFILL_ROWS = 64
+
+
 def calibrate(target_forward, draft_forward=None, rows: int = 8,
               min_gain: float = 1.05) -> SpecCostModel:
     """Measure both models on this machine at 1, 2, 4, 8 and ``rows`` rows (one sequence
-    each; ``rows``: the most a step verifies) and express every cost in single-row target
-    forwards."""
+    each; ``rows``: the most a step verifies; the draft also at PREFILL_ROWS) and express
+    every cost in single-row target forwards."""
     counts = sorted({1, 2, max(rows, 2)} | {r for r in (4, 8) if r < rows})
     with torch.inference_mode():
         target = _measured(target_forward, counts)
@@ -169,7 +175,8 @@ def calibrate(target_forward, draft_forward=None, rows: int = 8,
         target = target.scaled(unit)
         draft = None
         if draft_forward is not None:
-            draft = _measured(draft_forward, [r for r in counts if r <= 8] or [1, 2]).scaled(unit)
+            draft_counts = sorted({r for r in counts if r <= 8} | {1, 2, PREFILL_ROWS})
+            draft = _measured(draft_forward, draft_counts).scaled(unit)
     return SpecCostModel(target, draft, min_gain=min_gain)
 
 

@@ -109,6 +109,7 @@ class _History:
     draft_skip_steps: int = 0            # the draft model alone paused (n-gram guesses go on)
     draft_backoff: int = 4
     source: str = ""                     # the proposer of the step in flight: ngram | draft
+    drafted: bool = False                # the draft model has run for this request
 
 
 @dataclass
@@ -132,9 +133,6 @@ class SpecDecoder:
     guard: SpeedGuard | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     _history: dict[str, _History] = field(default_factory=dict)
-    # this step is a plain one the speed guard takes to measure (warm-up, probe): one token,
-    # not a multi-step call (spec/speed_guard.py)
-    plain_probe: bool = False
     _draft_seen: tuple[int, int] = (0, 0)      # draft (passes, rows) already accounted
     _draft_prefills_seen: int = 0
 
@@ -160,10 +158,8 @@ class SpecDecoder:
         if self.cost is not None and decoding:
             # would a perfect proposer pay at this batch size? (its k rows cost the same)
             active = active and self.cost.best_k(1.0, per_request, len(decoding), 0.0) > 0
-        self.plain_probe = False
         if active and self.guard is not None and decoding:
             active = self.guard.allow(len(decoding))
-            self.plain_probe = not active and self.guard.exploring
         live_ids = set()
         for req in running:
             req.spec_token_ids = []
@@ -200,7 +196,9 @@ class SpecDecoder:
                 hist.draft_skip_steps -= 1
             elif self.model_drafts:
                 draft_k, draft_gain = self.cost.best(hist.alpha, k, batch, fraction)
-                if not draft_k and self.cost.best_k(1.0, k, batch, fraction):
+                if draft_k and not hist.drafted and not self._first_draft_pays(req, draft_gain):
+                    draft_k, draft_gain = 0, 1.0
+                elif not draft_k and self.cost.best_k(1.0, k, batch, fraction):
                     # its acceptance, not its price, is what does not pay: pause the draft
                     # model for this request (n-gram guesses go on), then probe again
                     hist.draft_skip_steps = hist.draft_backoff
@@ -211,6 +209,7 @@ class SpecDecoder:
                 hist.bucket = bucket
             elif draft_k:
                 req.spec_token_ids, hist.source = [DRAFT_PLACEHOLDER] * draft_k, "draft"
+                hist.drafted = True
             if guess and not ngram_k and self.cost.best_k(1.0, len(guess), batch, 0.0):
                 # this bucket's acceptance does not pay now: it sits out its next guesses
                 # (doubling pauses), then probes from the prior; the draft model and guesses
@@ -220,6 +219,17 @@ class SpecDecoder:
                 hist.ngram_backoff[bucket] = min(hist.ngram_backoff[bucket] * 2, _MAX_BACKOFF)
         for rid in [rid for rid in self._history if rid not in live_ids]:
             del self._history[rid]
+
+    def _first_draft_pays(self, req: Request, gain: float) -> bool:
+        """A request's first draft runs the draft model over all its tokens (its prompt and
+        output so far: one forward of that many rows, priced by the cost model's last
+        segment): worth it only if the tokens it may still decode save more at ``gain``. A
+        request that reaches the draft late (a batch shrinking to where drafting pays, its
+        last few tokens left) would pay a prompt's prefill for a handful of drafts."""
+        left = self.max_len_per_request - req.num_tokens
+        if req.max_tokens is not None:
+            left = min(left, req.max_tokens - req.num_output_tokens)
+        return left * (1.0 - 1.0 / gain) > self.cost.draft(req.num_tokens)
 
     def _max_proposal(self, req: Request) -> int:
         # all k accepted + the bonus must still fit max_tokens and the request's length cap,

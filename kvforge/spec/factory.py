@@ -43,15 +43,16 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
     if exact_rows is not None:
         max_rows = exact_rows if max_rows is None else min(max_rows, exact_rows)
     if method == "ngram":
-        # proposals cost only verification rows, priced as timed: k per request from its
-        # acceptance (per match length), none where no guess pays
+        # proposals cost only verification rows, priced as timed (a second pass of the fp32
+        # kernel included): k per request from its acceptance (per match length), none where
+        # no guess pays; rows capped only below a GGUF crossover
         cost = calibrate(_timed_forward(runner, runner.model, runner.kv_caches, logits_rows=None),
-                         rows=max_rows or 8, min_gain=SPECULATION_MIN_GAIN)
+                         rows=exact_rows or 8, min_gain=SPECULATION_MIN_GAIN)
         logger.info("speculation costs (single-row target forwards) by rows: target %s",
                     cost.target.describe())
         return SpecDecoder(config.num_speculative_tokens, NgramProposer(
             config.speculative_ngram_min, config.speculative_ngram_max), max_len_per_request,
-            cost=cost, max_verify_rows=max_rows)
+            cost=cost, max_verify_rows=exact_rows)
     target = runner.model
     if method == "early-exit":
         runner.drafter = ModelDraftProposer(_exit_draft(config, runner), runner.block_size,
@@ -107,10 +108,10 @@ def _timed_forward(runner, model, kv_caches, logits_rows: int | None):
     any request reads them), then the LM head over the last ``logits_rows`` rows (None: all of
     them, as verification does)."""
     from kvforge.attention.metadata import AttentionMetadata
-    context = 64
-    needed = (context + 16) // runner.block_size + 1
+    context, most_rows = 64, 64                 # up to cost.PREFILL_ROWS rows (the draft's)
+    needed = (context + most_rows) // runner.block_size + 1
     table = list(range(min(needed, runner.num_blocks)))
-    context = min(context, len(table) * runner.block_size - 16)
+    context = max(0, min(context, len(table) * runner.block_size - most_rows))
 
     def forward(rows: int):
         meta = AttentionMetadata.build([rows], [context], [table], runner.block_size,

@@ -15,13 +15,19 @@ its kind:
     plain   steps in which none did (multi-step decodes included: what the engine does
             without speculation)
 
-an arm's cost is its steps' wall seconds / the tokens their decodes emitted. Only steps in
+an arm's cost is its steps' wall seconds / the tokens their decodes emitted. The plain arm's
+warm-up counts decode positions (tokens / b), not steps: a multi-step call of 4 tokens is 4
+of the ``min_steps`` it needs. Plain steps vary little, and each call held back from
+speculation costs its tokens (on the 1.5B's code edits, where speculation runs at ~0.5 of a
+plain token's time, a warm-up of 8 four-token calls was ~10% of a run). Plain steps are
+measured as the engine runs them, multi-step: one-token plain steps would cost ~3% more a
+token at batch 4 on the 1.5B and bias the comparison towards speculation. Only steps in
 which every scheduled request is a decode count (a prefill chunk costs the same either way
 and would swamp the difference), and not the step in which a draft model runs its prefill of
 a new request's prompt (a once-per-request cost, not a per-step one); a draft model's
 catch-up after plain steps is charged to the spec step that needs it, as it should be.
 
-    warm-up   the arms alternate until each has ``min_steps`` steps
+    warm-up   the arms alternate until spec has ``min_steps`` steps, plain as many positions
     exploit   the cheaper arm; switching needs a ``hysteresis`` margin (no flapping on noise)
     probe     every ``probe_every``-th step runs the other arm, so its cost follows the text
 
@@ -30,12 +36,7 @@ Why windows of many steps and single-step probes: what speculation gains comes i
 moment, not the arm: probes spread over the run see every kind of stretch, and the window's
 average is what the arm gives over them. Exploration is the price: 1 step in ``probe_every``
 on the losing arm (~2% of the time lost where speculation runs at 0.76x, ~1.5% where it
-would run at 1.25x), and the warm-up at each batch size the first time it occurs. A plain
-step taken to explore (warm-up, probe: ``exploring``) runs one token, not a multi-step call
-of several (LLMEngine.step): on the 1.5B's code edits, where speculation runs at ~0.5 of a
-plain token's time, 4-token calls made the warm-up and probes cost ~10% of the run. One step
-costs a few percent more a token than a multi-step call, which biases the comparison that
-little towards speculation.
+would run at 1.25x), and the warm-up at each batch size the first time it occurs.
 """
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ class _Arm:
     @property
     def num_steps(self) -> int:
         return len(self.seconds)
+
+    def num_positions(self, batch: int) -> float:
+        """Decode positions measured: tokens per decoding request."""
+        return sum(self.tokens) / batch
 
     @property
     def seconds_per_token(self) -> float:
@@ -83,8 +88,6 @@ class SpeedGuard:
     probe_every: int = 16
     hysteresis: float = 0.03
     stats: SpeedGuardStats = field(default_factory=SpeedGuardStats)
-    # the last ``allow`` answered for a warm-up or probe step, not the exploited arm
-    exploring: bool = False
     _sizes: dict[int, _BatchSize] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,20 +106,16 @@ class SpeedGuard:
             size = self._sizes[batch] = _BatchSize(_Arm.empty(self.window),
                                                    _Arm.empty(self.window))
         size.steps += 1
-        spec_short = size.spec.num_steps < self.min_steps
-        plain_short = size.plain.num_steps < self.min_steps
+        spec_short, plain_short = self._short(size, batch)
         if spec_short or plain_short:
             # warm-up: alternate, then give the arm still short of steps its turn (a step
             # allowed to speculate may propose nothing and count as plain)
             allowed = spec_short if spec_short != plain_short else size.steps % 2 == 1
-            self.exploring = True
         elif size.steps % self.probe_every == 0:
             allowed = not size.speculate
             self.stats.probe_steps += 1
-            self.exploring = True
         else:
             allowed = size.speculate
-            self.exploring = False
         if not allowed:
             self.stats.denied_steps += 1
         return allowed
@@ -129,13 +128,18 @@ class SpeedGuard:
         arm = size.spec if speculated else size.plain
         arm.seconds.append(seconds)
         arm.tokens.append(tokens)
-        if min(size.spec.num_steps, size.plain.num_steps) < self.min_steps:
+        if any(self._short(size, batch)):
             return
         size.compared = True
         spec, plain = size.spec.seconds_per_token, size.plain.seconds_per_token
         margin = 1.0 - self.hysteresis
         if (spec > plain / margin) if size.speculate else (spec < plain * margin):
             size.speculate = not size.speculate
+
+    def _short(self, size: _BatchSize, batch: int) -> tuple[bool, bool]:
+        """(spec arm short of its warm-up steps, plain arm short of its decode positions)"""
+        return (size.spec.num_steps < self.min_steps,
+                size.plain.num_positions(batch) < self.min_steps)
 
     def speculating(self, batch: int) -> bool | None:
         """The arm exploited at this batch size (None: not measured yet)."""

@@ -198,3 +198,25 @@ def test_ngram_acceptance_is_kept_per_match_length():
     assert _step(spec, reqs, accepted=4)["r0"][0] == 7
     hist = spec._history["r0"]
     assert hist.alpha_ngram[2] > hist.alpha_ngram[0]
+
+
+def _long_request(max_tokens: int):
+    from kvforge.engine.request import Request
+    from kvforge.sampling_params import SamplingParams
+    req = Request("r0", list(range(500)), SamplingParams(max_tokens=max_tokens))
+    req.append_output_token(4)
+    req.num_computed_tokens = 500
+    return req
+
+
+def test_a_first_draft_runs_only_where_the_tokens_left_repay_its_catch_up():
+    """The first draft of a request runs the draft model over its 500 tokens (a prefill,
+    ~7 steps here): not for 2 tokens left (a batch shrinking late), yes for 99."""
+    draft = ForwardCost.from_points([(1, 0.1), (2, 0.11), (64, 1.0)])
+    for max_tokens, drafts in ((3, False), (100, True)):
+        spec = SpecDecoder(4, None, 4096, cost=SpecCostModel(FREE_ROWS, draft),
+                           model_drafts=True, draft_stats=DraftStats())
+        req = _long_request(max_tokens)
+        spec.before_schedule([req])
+        assert (DRAFT_PLACEHOLDER in req.spec_token_ids) is drafts, (max_tokens,
+                                                                     req.spec_token_ids)
