@@ -8,10 +8,10 @@ integer work hides under the weights' memory traffic, later ones pay in full, so
 times several row counts and a cost is the line through those points:
 
     ms    Qwen2.5-Coder-1.5B Q4_K_M, 2-core Xeon (VNNI), one sequence, LM head on every row
-    164 |                                      *  8
+    164 |                                      *  8     (dot kernels taking 4 rows a call)
     125 |                           *  6
      86 |                *  4                      a line through 1 and 4 rows would put
-     67 |     *  2                                 8 rows at 112 ms
+     67 |     *  2                                 8 rows at 117 ms
      63 |  *  1
         +------------------------------------------ rows
 

@@ -30,14 +30,17 @@ Adaptive policy, by what a proposal costs:
   acceptance floor above. Each request keeps an estimate of its per-token acceptance alpha per
   proposer (an EMA over its steps); for n-gram guesses one per length of the context the guess
   matched (1-2, 3-7, 8+ tokens: chance vs a copied span), a length whose guesses do not pay
-  sitting out its next guesses (doubling pauses) while the others and the draft model go on. With both an n-gram proposer and a draft model it takes,
-  per step, whichever predicts the higher speedup: the n-gram guess (if there is one) at no
-  draft cost, or the draft model; each at the k with the best predicted speedup for its alpha
-  at this batch size, or neither when nothing beats decoding alone. If even alpha = 1 would
-  not pay (rows cost too much at this batch size) nobody speculates and the history is kept;
-  if only this request's alphas do not pay, it pauses for ``backoff`` steps, then probes again
-  from the prior. A step in which no request speculates may run as a multi-step decode
-  (engine/decode_steps.py): the draft model is lazy and catches up later (spec/draft.py).
+  sitting out its next guesses (doubling pauses) while the others and the draft model go on.
+  With both an n-gram proposer and a draft model it takes, per step, whichever predicts the
+  higher speedup: the n-gram guess (if there is one) at no draft cost, or the draft model;
+  each at the k with the best predicted speedup for its alpha at this batch size, or neither
+  when nothing beats decoding alone. If even alpha = 1 would not pay (rows cost too much at
+  this batch size) nobody speculates and the history is kept; if only this request's alphas
+  do not pay, the draft model or that match length sits out a while, then probes again from
+  the prior. A request's first draft runs only where the tokens it may still decode repay the
+  draft's catch-up over its whole context. A step in which no request speculates may run as a
+  multi-step decode (engine/decode_steps.py): the draft model is lazy and catches up later
+  (spec/draft.py).
 * speed guard (``guard``, spec/speed_guard.py): last word over all of the above, from
   measurement. The engine times its decode-only steps (``observe_step``); at a batch size
   where steps that speculated gave fewer tokens a second than steps that did not, nobody
