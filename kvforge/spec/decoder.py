@@ -59,10 +59,18 @@ from kvforge.spec.speed_guard import SpeedGuard
 _EMA = 0.5            # weight of the newest step in a request's acceptance average
 _MAX_BACKOFF = 64
 _ALPHA_EMA = 0.3      # weight of the newest step in a request's per-token acceptance estimate
-_ALPHA_PRIOR = 0.8    # what a request that has not speculated yet is assumed to accept
+_ALPHA_PRIOR = 0.8    # what a request's draft model is assumed to accept before it has drafted
 # n-gram guesses keep their acceptance apart by the length of the context they matched: a
 # match of 1-2 tokens is often chance, one of 8+ the answer copying its prompt
 _MATCH_BUCKETS = (3, 8)           # lengths 1-2 | 3-7 | 8+
+# ... and start from what each length was measured to accept: per-token acceptance of the
+# guesses checked, pooled over the benchmark's workloads (Qwen2.5-Coder-1.5B on code edits,
+# new code and ShareGPT chats; SmolLM2-135M on chats and copy edits: 0.17-0.49 | 0.53-0.94 |
+# 0.95-1.00 per workload). From one prior of 0.8 each request paid a few 4-8-row steps on
+# chance matches before their estimate fell, and on a 2-core AVX2 CPU (4 rows = 1.45 steps)
+# those first steps made the speed guard hold speculation back for most of the first answer
+# it saw (a docstring edit at 14.9 s, the target alone 14.1 s; from these priors 11.0 s)
+_NGRAM_PRIORS = (0.35, 0.78, 0.97)
 
 
 def _match_bucket(matched: int) -> int:
@@ -103,7 +111,7 @@ class _History:
     alpha: float = _ALPHA_PRIOR          # per-token acceptance of the draft model's proposals
     # ... of n-gram guesses, per match-length bucket; a bucket whose guesses do not pay
     # sits out `ngram_skips` of its guesses, then probes again from the prior
-    alpha_ngram: list[float] = field(default_factory=lambda: [_ALPHA_PRIOR] * 3)
+    alpha_ngram: list[float] = field(default_factory=lambda: list(_NGRAM_PRIORS))
     ngram_skips: list[int] = field(default_factory=lambda: [0] * 3)
     ngram_backoff: list[int] = field(default_factory=lambda: [4] * 3)
     bucket: int = 0                      # the match-length bucket of the guess in flight
@@ -217,7 +225,7 @@ class SpecDecoder:
                 # this bucket's acceptance does not pay now: it sits out its next guesses
                 # (doubling pauses), then probes from the prior; the draft model and guesses
                 # of other match lengths go on
-                hist.alpha_ngram[bucket] = _ALPHA_PRIOR
+                hist.alpha_ngram[bucket] = _NGRAM_PRIORS[bucket]
                 hist.ngram_skips[bucket] = hist.ngram_backoff[bucket]
                 hist.ngram_backoff[bucket] = min(hist.ngram_backoff[bucket] * 2, _MAX_BACKOFF)
         for rid in [rid for rid in self._history if rid not in live_ids]:

@@ -84,6 +84,14 @@ def test_larger_batches_shrink_k_until_nothing_pays():
     assert ks[0] > 0 and ks[-1] == 0
 
 
+class Copying(Repeat):
+    """Repeat's guesses, each continuing a 12-token match of the context (a copied span: the
+    longest match-length bucket, whose guesses start from a high prior)."""
+
+    def propose_matched(self, token_ids, max_tokens):
+        return self.propose(token_ids, max_tokens), 12
+
+
 def _step(spec, reqs, accepted):
     spec.before_schedule(reqs)
     sched = SchedulerOutput(spec_token_ids={r.request_id: list(r.spec_token_ids) for r in reqs})
@@ -93,7 +101,7 @@ def _step(spec, reqs, accepted):
 
 
 def test_decoder_k_follows_acceptance_and_pauses_then_probes():
-    spec = SpecDecoder(7, Repeat(), 1000, cost=SpecCostModel(GGUF_ROWS))
+    spec = SpecDecoder(7, Copying(), 1000, cost=SpecCostModel(GGUF_ROWS))
     reqs = decoding(1)
     lengths = [len(_step(spec, reqs, accepted=0).get("r0", [])) for _ in range(30)]
     assert lengths[0] > 0, "the prior acceptance must be worth a first proposal"
@@ -107,7 +115,7 @@ def test_decoder_k_follows_acceptance_and_pauses_then_probes():
 
 def test_decoder_prefers_ngram_guesses_over_a_draft_model_that_costs_forwards():
     draft_cost = ForwardCost(fixed=0.05, per_row=0.05)
-    spec = SpecDecoder(4, Repeat(), 1000, cost=SpecCostModel(FREE_ROWS, draft_cost),
+    spec = SpecDecoder(4, Copying(), 1000, cost=SpecCostModel(FREE_ROWS, draft_cost),
                        model_drafts=True, draft_stats=DraftStats())
     reqs = decoding(1)
     assert _step(spec, reqs, accepted=4)["r0"] == [7] * 4     # the guess, not placeholders
@@ -143,7 +151,7 @@ def test_accounting_predicts_the_speedup_of_the_steps_run():
     assert spec.stats.predicted_speedup == pytest.approx(3.0 / 2.2)
 
 
-class Switch(Repeat):
+class Switch(Copying):
     """No guess until ``on`` is set, then Repeat's."""
     on = False
 
@@ -189,15 +197,28 @@ def test_ngram_acceptance_is_kept_per_match_length():
     spec = SpecDecoder(4, proposer, 1000, model_drafts=True, draft_stats=DraftStats(),
                        cost=SpecCostModel(GGUF_ROWS, ForwardCost(fixed=2.0, per_row=0.5)))
     reqs = decoding(1)
-    # short matches (chance) keep failing: their guesses stop ...
+    # a 1-2 token match is mostly chance: from its prior it is not worth costly rows
+    assert _step(spec, reqs, accepted=0)["r0"] == []
+    # mid-length matches start out trusted; when they keep failing their guesses stop ...
+    proposer.matched = 4
     proposals = [_step(spec, reqs, accepted=0)["r0"] for _ in range(6)]
     assert proposals[0] == [7] * len(proposals[0]) and proposals[0]
     assert not proposals[-1], proposals
-    # ... while a long match (a copied span) is still guessed at once, from the prior
+    # ... while a long match (a copied span) is still guessed at once, from its prior
     proposer.matched = 12
     assert _step(spec, reqs, accepted=4)["r0"][0] == 7
     hist = spec._history["r0"]
-    assert hist.alpha_ngram[2] > hist.alpha_ngram[0]
+    assert hist.alpha_ngram[2] > hist.alpha_ngram[1]
+
+
+def test_ngram_priors_follow_match_length():
+    """The priors rise with the match length, and where rows are free even a chance match
+    is worth a guess."""
+    from kvforge.spec.decoder import _NGRAM_PRIORS
+    assert list(_NGRAM_PRIORS) == sorted(_NGRAM_PRIORS) and 0 < _NGRAM_PRIORS[0] < 0.5
+    proposer = ByLength()
+    spec = SpecDecoder(4, proposer, 1000, cost=SpecCostModel(FREE_ROWS))
+    assert _step(spec, decoding(1), accepted=0)["r0"] == [7] * 4
 
 
 def _long_request(max_tokens: int):
