@@ -19,14 +19,14 @@ A request that proposes k tokens with per-token acceptance alpha emits on averag
 
     E(alpha, k) = 1 + alpha + .. + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
 
-tokens per step (Leviathan et al.), and costs, in a batch of B decodes,
+tokens per step (Leviathan et al.), and costs, in a batch of B decodes that each propose k,
 
     share  = target(B) / B                  its part of the plain step
-    verify = target.per_row * k             its k extra rows
-    draft  = draft(1 row) * model_drafts    the draft model's forwards (0 for n-gram guesses;
-                                            fewer than k when n-gram candidates are accepted)
+    step   = target(B (1 + k)) / B          its part of the step verifying every proposal
+    draft  = draft(B) / B * k * fraction    k draft passes over the batch (fraction: the
+                                            drafts that need a forward; 0 for n-gram guesses)
 
-so speculation gains E * share / (share + verify + draft); below 1 it must not run.
+so speculation gains E * share / (step + draft); below 1 it must not run.
 """
 from __future__ import annotations
 
@@ -76,11 +76,6 @@ class ForwardCost:
         if not self.points:
             return f"{self.fixed:.2f} + {self.per_row:.2f}/row"
         return ", ".join(f"{r}: {c:.2f}" for r, c in self.points)
-
-    @classmethod
-    def from_timings(cls, one_row: float, rows: int, many_rows: float) -> "ForwardCost":
-        per_row = max(0.0, (many_rows - one_row) / (rows - 1))
-        return cls(fixed=max(0.0, one_row - per_row), per_row=per_row)
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]]) -> "ForwardCost":

@@ -71,6 +71,8 @@ _MATCH_BUCKETS = (3, 8)           # lengths 1-2 | 3-7 | 8+
 # those first steps made the speed guard hold speculation back for most of the first answer
 # it saw (a docstring edit at 14.9 s, the target alone 14.1 s; from these priors 11.0 s)
 _NGRAM_PRIORS = (0.35, 0.78, 0.97)
+_NUM_BUCKETS = len(_MATCH_BUCKETS) + 1
+assert len(_NGRAM_PRIORS) == _NUM_BUCKETS, "a prior per match-length bucket"
 
 
 def _match_bucket(matched: int) -> int:
@@ -112,8 +114,8 @@ class _History:
     # ... of n-gram guesses, per match-length bucket; a bucket whose guesses do not pay
     # sits out `ngram_skips` of its guesses, then probes again from the prior
     alpha_ngram: list[float] = field(default_factory=lambda: list(_NGRAM_PRIORS))
-    ngram_skips: list[int] = field(default_factory=lambda: [0] * 3)
-    ngram_backoff: list[int] = field(default_factory=lambda: [4] * 3)
+    ngram_skips: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
+    ngram_backoff: list[int] = field(default_factory=lambda: [4] * _NUM_BUCKETS)
     bucket: int = 0                      # the match-length bucket of the guess in flight
     skip_steps: int = 0
     backoff: int = 4

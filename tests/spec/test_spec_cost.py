@@ -15,8 +15,8 @@ FREE_ROWS = ForwardCost(fixed=1.0, per_row=0.0)          # memory-bound: rows co
 GGUF_ROWS = ForwardCost(fixed=0.6, per_row=0.4)          # measured shape of the 1.5B Q4_K_M
 
 
-def test_forward_cost_from_timings_and_validation():
-    cost = ForwardCost.from_timings(one_row=0.10, rows=4, many_rows=0.22)
+def test_forward_cost_through_two_timings_and_validation():
+    cost = ForwardCost.from_points([(1, 0.10), (4, 0.22)])
     assert cost.per_row == pytest.approx(0.04) and cost.fixed == pytest.approx(0.06)
     assert cost(4) == pytest.approx(0.22)
     with pytest.raises(ValueError, match="per_row"):
@@ -31,7 +31,7 @@ def test_measured_points_bend_the_line():
     assert cost(12) == pytest.approx(2.45 + 4 * 0.275)      # the last segment, extended
     assert cost.fixed == pytest.approx(0.9) and cost.per_row == pytest.approx(0.1)
     # a line through 1 and 4 rows (what two timings give) prices 8 rows far too low
-    assert ForwardCost.from_timings(1.0, 4, 1.35)(8) < 0.75 * cost(8)
+    assert ForwardCost.from_points([(1, 1.0), (4, 1.35)])(8) < 0.75 * cost(8)
     # a point timed below the one before (noise) is taken as level with it
     noisy = ForwardCost.from_points([(1, 1.0), (2, 0.9), (4, 1.2)])
     assert noisy(2) == pytest.approx(1.0) and noisy(3) == pytest.approx(1.1)
@@ -42,7 +42,7 @@ def test_measured_points_bend_the_line():
 
 def test_bent_costs_choose_fewer_rows_than_the_straight_line():
     bent = SpecCostModel(ForwardCost.from_points([(1, 1.0), (2, 1.1), (4, 1.35), (8, 2.45)]))
-    straight = SpecCostModel(ForwardCost.from_timings(1.0, 4, 1.35))
+    straight = SpecCostModel(ForwardCost.from_points([(1, 1.0), (4, 1.35)]))
     assert bent.best_k(0.8, 7) < straight.best_k(0.8, 7)
     # a batch of 2 proposing k = 3 verifies 8 rows: its share of that step
     assert bent.speedup(1.0, 3, batch=2) == pytest.approx(4 * (1.1 / 2) / (2.45 / 2))
