@@ -11,7 +11,8 @@ and are never read)::
     slot of position k  = block_table[k // B] * B + k % B       (padding -> slot 0, masked)
 
 then runs one ``scaled_dot_product_attention`` per group with an additive float mask (0 or
--inf, shared by every head). With StreamingLLM positions, once a query is past S + W - 1 its
+-inf, shared by every head). Decodes under a window without sinks (Gemma 3's local layers)
+skip the gather: the compiled paged kernel reads each row's last ``window`` keys in place. With StreamingLLM positions, once a query is past S + W - 1 its
 sink scores must use the query rotated back by ``sink_shift(p)``:
 
 - decodes (one query per sequence): the sequence's sink keys are rotated forward by its shift
@@ -38,6 +39,7 @@ from kvforge.attention.base import register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import _SDPA_HAS_GQA, PagedAttentionBackend, write_kv_cache
 from kvforge.attention.window import AttentionWindow
+from kvforge.kernels import ops as kernel_ops
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -190,16 +192,34 @@ class WindowedAttentionBackend(PagedAttentionBackend):
                              "configure_attention_window")
         self._check_inputs(q, k, v, kv_cache, meta)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
+        # decodes under a plain sliding window (no sinks: Gemma 3's local layers): the compiled
+        # kernel reads each row's last `window` keys in place, no gather, no mask
+        kernel_decodes = meta.num_decodes > 0 and window.sinks == 0 and self._window_decodes(
+            q, kv_cache, meta, window.window, out)
         # built by the first layer, shared by every layer with the same window (metadata is
         # rebuilt every step)
         plans = meta.__dict__.setdefault("_window_plans", {})
-        key = (window, self.query_tile)
+        key = (window, self.query_tile, kernel_decodes)
         if key not in plans:
-            plans[key] = _build_groups(meta, window, self.query_tile)
-        out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
+            groups = _build_groups(meta, window, self.query_tile)
+            plans[key] = groups[1:] if kernel_decodes else groups
         for group in plans[key]:
             self._attend(q, kv_cache, group, out)
         return out
+
+    def _window_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        window: int, out: torch.Tensor) -> bool:
+        """The decode rows through the compiled kernel's window; False where it does not apply
+        (the caller then gathers and runs SDPA)."""
+        n = meta.num_decodes
+        attn = kernel_ops.paged_decode_attention(q[:n], kv_cache[0], kv_cache[1],
+                                                 meta.block_tables[:n], meta.seq_lens[:n],
+                                                 self.scale, window)
+        if attn is None:
+            return False
+        out[:n] = attn
+        return True
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, g: _Group,
                 out: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Run a pure-decode step of a Llama-family model through the compiled ``DecodeStack``.
+"""Run a pure-decode step of a Llama-family or Gemma 3 model through the compiled ``DecodeStack``.
 
 Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (packed here for our
 kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
@@ -77,6 +77,87 @@ def build_llama_decode_stack(model):
                            first.num_kv_heads, first.head_dim, float(first.attn.scale))
 
 
+def build_gemma3_decode_stack(model):
+    """A ``DecodeStack`` over a Gemma 3 model's weights (models/gemma3.py), or None when not
+    eligible: the Llama conditions (fp32, our kernels' weights or called-back modules, no MLP
+    bias, one norm epsilon) plus the paged backends (sliding layers: a plain window, no sinks),
+    full-width rotation and the gelu-tanh gate. Gemma's norms scale by 1 + w: the stack gets
+    that sum, computed in fp32 as the Python layers do."""
+    from kvforge.attention.paged import PagedAttentionBackend
+    from kvforge.attention.windowed import WindowedAttentionBackend
+    from kvforge.layers.activation import GatedActivation
+    from kvforge.layers.linear import UnquantizedLinearMethod, place_linears
+    from kvforge.models.gemma3 import SLIDING
+    from kvforge.models.llama import LlamaMLP
+
+    ops = cpu_kernels()
+    if ops is None or model.dtype != torch.float32:
+        return None
+    inner = model.model
+    first = inner.layers[0].self_attn
+    for rotary in (inner.rotary_local, inner.rotary_global):
+        if rotary.head_dim != first.head_dim or rotary.inv_freq.device.type != "cpu":
+            return None
+    window, eps_all = 0, set()
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        backend = attn.attn
+        if layer.layer_type == SLIDING:
+            w = getattr(backend, "window", None)
+            if (type(backend) is not WindowedAttentionBackend or w is None or w.sinks != 0
+                    or (window and w.window != window)):
+                return None
+            window = w.window
+        elif type(backend) is not PagedAttentionBackend:
+            return None
+        if (type(mlp) is not LlamaMLP or not isinstance(mlp.act_fn, GatedActivation)
+                or mlp.act_fn.act_name not in ("gelu_pytorch_tanh", "gelu_new")):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(type(p.method) is UnquantizedLinearMethod
+               and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
+               for p in linears):
+            return None
+        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        eps_all |= {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                    layer.pre_feedforward_layernorm,
+                                    layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)}
+    eps_all.add(inner.norm.eps)
+    if len(eps_all) != 1:
+        return None
+
+    empty = torch.Tensor()
+    place_linears([p for layer in inner.layers
+                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)],
+                  pack=model.pack_decode_weights)
+
+    def projection(linear):
+        bias = linear.bias if linear.bias is not None else empty
+        weight = kernel_weight(linear)
+        return (linear, empty) if weight is None else (weight, bias)
+
+    def scale(norm):                      # OffsetRMSNorm: 1 + w in fp32, as its forward
+        return (1.0 + norm.weight.detach().float()).contiguous()
+
+    layers, extras = [], []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        (qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _) = (
+            projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        layers.append([scale(layer.input_layernorm), qkv, qkv_bias, o, o_bias,
+                       scale(layer.pre_feedforward_layernorm), gate_up, down])
+        sliding = layer.layer_type == SLIDING
+        # rope 1: the local base (forward's cos_local / generate's cos_sin_local)
+        extras.append([scale(attn.q_norm), scale(attn.k_norm), scale(layer.post_attention_layernorm),
+                       scale(layer.post_feedforward_layernorm), window if sliding else 0,
+                       1 if sliding else 0])
+    return ops.DecodeStack(layers, scale(inner.norm), float(eps_all.pop()), first.num_heads,
+                           first.num_kv_heads, first.head_dim, float(first.attn.scale),
+                           activation=1, extras=extras)
+
+
 def kernel_weight(linear):
     """A ``Linear``'s weight as ``DecodeStack`` takes it: (packed weight, out_features) when
     packed, the fp32 [out, in] tensor, the ``GgufWeight`` of GGUF blocks; None for any other
@@ -105,7 +186,8 @@ def stack_handles_step(meta) -> bool:
 
 def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-    """[T] token ids -> [T, hidden] final-normed hidden states.
+    """[T] token ids -> [T, hidden] final-normed hidden states (``model``: a
+    ``CompiledDecodeMixin``, which embeds the rows and gives the step's RoPE rows).
 
     The kernel attends per query token. A sequence with several query tokens (verification of
     speculated tokens) gives each its own row: its sequence's block table, and a length that
@@ -113,9 +195,7 @@ def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Ten
 
         seq 0: context 5, queries at positions 5 6 7  ->  lens 6 7 8, tables row 0 three times
     """
-    hidden = model.model.embed_tokens(input_ids)
-    cos, sin = model.model.rotary_emb.cos_sin(positions)          # [T, 1, D] views
-    num_tokens = input_ids.shape[0]
+    hidden, ropes = model._stack_step_inputs(input_ids, positions)
     if meta.num_decodes == meta.num_seqs:                          # one token per sequence
         tables, lens = meta.block_tables, meta.seq_lens
     else:
@@ -123,5 +203,4 @@ def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Ten
             torch.arange(meta.num_seqs, device=input_ids.device),
             torch.tensor(meta.query_lens_list, device=input_ids.device))
         tables, lens = meta.block_tables.index_select(0, seq_of_token), positions + 1
-    return stack.forward(hidden, kv_caches, meta.slot_mapping, tables, lens,
-                         cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1))
+    return stack.forward(hidden, kv_caches, meta.slot_mapping, tables, lens, *ropes)

@@ -81,15 +81,17 @@ def argmax_last_dim(logits: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor | None:
-    """One query per sequence attending over its paged context; None when the kernel does not
-    apply (the caller then runs its gather + SDPA path)."""
+                           scale: float, window: int = 0) -> torch.Tensor | None:
+    """One query per sequence attending over its paged context (``window`` > 0: over its last
+    ``window`` keys, a sliding window); None when the kernel does not apply (the caller then
+    runs its gather + SDPA path)."""
     ops = _kernel_for(q, key_cache, value_cache)
     if (ops is None or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2] or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
             or block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64
             or block_tables.stride(1) != 1 or not seq_lens.is_contiguous()):
         return None
-    return ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    return ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                      window)
 
 
 # rows the compiled linear kernel is used for (csrc/kernels.h: kLinearRowsMin..kLinearRowsMax);

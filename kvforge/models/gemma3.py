@@ -16,8 +16,10 @@
 The sliding layers carry their window in their attention backend (``WindowedAttentionBackend``
 with a true-position window over the normal paged cache, no blocks freed), so the model is
 exact on its own, with or without an engine; the engine's window planning leaves it alone
-(``applies_own_sliding_window``). The compiled decode stack is Llama-shaped: this family runs
-its Python layers (with the compiled attention / linear kernels inside them).
+(``applies_own_sliding_window``). Decode steps run in the compiled decode stack
+(``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and each layer's window and
+RoPE base are options of its layer), with multi-step greedy decoding; prefill and anything the
+stack does not take run the Python layers below, the reference.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import OffsetRMSNorm
 from kvforge.layers.rotary import ComputedRotaryEmbedding
 from kvforge.models.base import PagedKVModelMixin, expected_weight_keys, finish_loading
+from kvforge.models.compiled_decode import CompiledDecodeMixin
 from kvforge.models.config import ModelConfig
 from kvforge.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -190,7 +193,7 @@ class Gemma3Model(nn.Module):
                                                      options.global_rope_scaling, max_pos, device)
 
 
-class Gemma3ForCausalLM(PagedKVModelMixin, nn.Module):
+class Gemma3ForCausalLM(CompiledDecodeMixin, PagedKVModelMixin, nn.Module):
     # the sliding layers window themselves (see the module docstring): the engine must not
     # plan model windows on top (attention/window_setup.py)
     applies_own_sliding_window = True
@@ -217,6 +220,9 @@ class Gemma3ForCausalLM(PagedKVModelMixin, nn.Module):
         """[T] token ids and positions -> [T, hidden] final-normed hidden states."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_layers} layers")
+        hidden = self._stack_forward(input_ids, positions, kv_caches, meta)
+        if hidden is not None:
+            return hidden
         model = self.model
         hidden = model.embed_tokens(input_ids) * model.embed_scale
         dtype = hidden.dtype
@@ -237,6 +243,37 @@ class Gemma3ForCausalLM(PagedKVModelMixin, nn.Module):
 
     def first_attention_backend(self):
         return self.model.layers[0].self_attn.attn
+
+    # ------------------------------------------------- the compiled decode stack's hooks
+    def _build_decode_stack(self):
+        from kvforge.kernels.decode_stack import build_gemma3_decode_stack
+        return build_gemma3_decode_stack(self)
+
+    @property
+    def _stack_embed_scale(self) -> float:
+        return self.model.embed_scale
+
+    @property
+    def _stack_greedy_exact(self) -> bool:
+        # a soft-cap is monotonic but can round two large logits to one value: the raw argmax
+        # might then not be the capped logits' first maximum
+        return self.options.final_logit_softcapping is None
+
+    def _stack_step_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        model = self.model
+        hidden = model.embed_tokens(input_ids) * model.embed_scale
+        num_tokens = input_ids.shape[0]
+        rows = [t.reshape(num_tokens, -1) for rotary in (model.rotary_global, model.rotary_local)
+                for t in rotary.cos_sin(positions, hidden.dtype)]
+        return hidden, tuple(rows)              # cos, sin, cos_local, sin_local
+
+    def _stack_rope_tables(self, first: int, count: int):
+        positions = torch.arange(first, first + count, device=self.model.rotary_global.inv_freq.device)
+        tables = []
+        for rotary in (self.model.rotary_global, self.model.rotary_local):
+            cos, sin = rotary.cos_sin(positions, self.dtype)                # [count, 1, D]
+            tables.append(torch.cat([cos, sin], dim=1).contiguous())       # [count, 2, D]
+        return tables[0], tables[1], first
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

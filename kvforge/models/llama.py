@@ -19,16 +19,15 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels.decode_stack import (build_llama_decode_stack, kernel_weight,
-                                          run_decode_stack, stack_handles_step)
+from kvforge.kernels.decode_stack import build_llama_decode_stack
 from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.activation import GatedActivation
-from kvforge.layers.linear import (Linear, MergedLinear, PackedLinearMethod, PackedRowsEmbedding,
-                                   UnquantizedLinearMethod, place_linears)
+from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 from kvforge.models.base import (RotaryDecoderLMMixin, copy_plain_parameter, expected_weight_keys,
                                  finish_loading)
+from kvforge.models.compiled_decode import CompiledDecodeMixin
 from kvforge.models.config import ModelConfig
 
 # HF checkpoint projection -> (our fused module, shard index within it)
@@ -135,7 +134,7 @@ def llama_stack(model, what: str) -> LlamaModel:
     return stack
 
 
-class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
+class LlamaForCausalLM(CompiledDecodeMixin, RotaryDecoderLMMixin, nn.Module):
     # the decoder stack; a family that differs only inside its layers (Mixtral's MoE) swaps it
     model_cls: type[nn.Module] = LlamaModel
 
@@ -157,86 +156,27 @@ class LlamaForCausalLM(RotaryDecoderLMMixin, nn.Module):
         # inference only: no autograd bookkeeping on any op
         self.requires_grad_(False)
 
-    _decode_stack = None            # compiled whole-step decode (kvforge/kernels), built lazily
-    _decode_stack_built = False
-    # the stack's weights (and the LM head) in the packed layout; the ModelRunner turns it off
-    # when speculation verifies up to 8 rows a step (kernels/decode_stack.py)
-    pack_decode_weights = True
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        # a step of decodes and short query runs (speculative verification), no prefill chunk,
-        # runs in one compiled call when the model qualifies; otherwise, and as the reference,
-        # the Python layers
-        if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
-            stack = self.decode_stack()
-            if stack is not None and kv_caches[0].dtype == torch.float32:
-                return run_decode_stack(stack, self, input_ids, positions, kv_caches, meta)
+        # a decode step runs in one compiled call when the model qualifies; otherwise, and as
+        # the reference, the Python layers
+        hidden = self._stack_forward(input_ids, positions, kv_caches, meta)
+        if hidden is not None:
+            return hidden
         return super().forward(input_ids, positions, kv_caches, meta)
 
-    def decode_stack(self):
-        """The compiled decode stack, built on first use (moving the projections' weights into
-        huge pages and packing them: ~1 s for SmolLM2, so the engine calls this once it has
-        configured the model), or None when the model does not qualify."""
-        if not self._decode_stack_built:
-            self._decode_stack = build_llama_decode_stack(self)
-            self._decode_stack_built = True
-            if self._decode_stack is not None:
-                self._place_lm_head()
-        return self._decode_stack
+    # the compiled decode stack's hooks (models/compiled_decode.py)
+    def _build_decode_stack(self):
+        return build_llama_decode_stack(self)
 
-    def can_decode_steps(self, num_seqs: int) -> bool:
-        """Whether ``decode_steps`` runs ``num_seqs`` rows: the compiled stack with fp32
-        kernels for every projection and an fp32 LM head and embedding table."""
-        stack = self.decode_stack()
-        return (stack is not None and stack.can_generate(num_seqs)
-                and self._head_and_table() is not None)
+    def _stack_step_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.model.rotary_emb.cos_sin(positions)          # [T, 1, D] views
+        num_tokens = input_ids.shape[0]
+        return (self.model.embed_tokens(input_ids),
+                (cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)))
 
-    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, num_steps: int,
-                     kv_caches: list[torch.Tensor], block_tables: torch.Tensor,
-                     stop: torch.Tensor | None = None) -> torch.Tensor:
-        """``num_steps`` greedy decode steps of a batch of sequences in one compiled call
-        (multi-step decoding, see ``DecodeStack::generate``): sequence i continues from token
-        ``input_ids[i]`` at ``positions[i]``, with KV slots for ``num_steps`` positions in its
-        ``block_tables`` row. Returns the [num_seqs, steps run] argmax tokens, the ones that
-        many one-step greedy samples would give: ``num_steps``, or fewer when another thread
-        set ``stop`` (int32 [1]) during the call (it ends after the step then running)."""
-        head, table = self._head_and_table()
-        return self.decode_stack().generate(
-            input_ids, positions, num_steps, kv_caches, block_tables,
-            self.model.rotary_emb.cos_sin_table, table, head, self.config.vocab_size, stop)
-
-    def _head_and_table(self):
-        """(LM head, embedding table) as the compiled stack takes weights
-        (``kernel_weight``), or None."""
-        head, embed = self.lm_head, self.model.embed_tokens
-        if head.output_size != self.config.vocab_size or head.bias is not None:
-            return None
-        head_weight = kernel_weight(head)
-        if isinstance(embed, PackedRowsEmbedding):
-            table = head_weight
-        elif isinstance(embed, Linear):            # GGUFEmbedding: the file's blocks
-            table = kernel_weight(embed)
-        elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:
-            table = embed.weight
-        else:
-            return None
-        if head_weight is None or table is None:
-            return None
-        return head_weight, table
-
-    def _place_lm_head(self) -> None:
-        """The LM head in huge pages too, packed like the stack's projections when they are (a
-        49k x 576 head streams at ~0.9 of a t.sum pass packed vs ~0.77 row-major when memory is
-        fast). A tied head is the embedding table: the table then reads its rows from the head's
-        new storage (packed: through ``PackedRowsEmbedding``)."""
-        place_linears([self.lm_head], pack=self.pack_decode_weights)
-        if not self._head_shares_embedding:
-            return
-        if type(self.lm_head.method) is PackedLinearMethod:
-            self.model.embed_tokens = PackedRowsEmbedding(self.lm_head)
-        else:
-            self.model.embed_tokens.weight = self.lm_head.weight
+    def _stack_rope_tables(self, first: int, count: int):
+        return self.model.rotary_emb.cos_sin_table, None, 0
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -306,6 +306,46 @@ def test_paged_decode_attention_long_contexts(compiled, lens, block_size, dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens,window,block_size", [
+    ([700], 512, 16),                 # first key 188: inside a block and a 256-key chunk
+    ([300, 5, 1000, 64], 64, 24),     # short rows see everything, long ones their last 64
+    ([257, 256, 255], 256, 16),       # windows that end one key past / at / before a chunk
+    ([9], 1, 4),                      # a window of one key: the query's own
+])
+def test_paged_decode_attention_sliding_window(compiled, threads, lens, window, block_size):
+    """window > 0: each row attends its last `window` keys (p - W < k <= p) straight from the
+    paged cache, chunks at whole multiples of 256 positions, vs float64 math."""
+    g = torch.Generator().manual_seed(sum(lens) + window + threads)
+    kv_heads, heads, dim = 1, 4, 64
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = len(lens) * per_seq
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g).view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = compiled.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor(lens),
+                                              0.125, window)
+        full = compiled.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor(lens),
+                                               0.125)
+    finally:
+        torch.set_num_threads(before)
+    for s, length in enumerate(lens):
+        lo = max(0, length - window)
+        keys = cache[0][table[s]].reshape(-1, dim)[lo:length].double()
+        values = cache[1][table[s]].reshape(-1, dim)[lo:length].double()
+        scores = q[s].double() @ keys.T * 0.125
+        ref = scores.softmax(-1) @ values
+        torch.testing.assert_close(out[s].double(), ref, rtol=1e-4, atol=1e-5)
+        if length <= window:       # the window holds every key: the same bits as without one
+            assert torch.equal(out[s], full[s])
+        else:
+            assert not torch.allclose(out[s], full[s])
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("lens,dim", [
     ([40], 64),                       # batch 1, one chunk: the heads split across threads

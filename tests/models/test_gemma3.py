@@ -188,20 +188,66 @@ def test_engine_greedy_matches_hf(gemma_files, fmt):
 
 
 def test_engine_same_tokens_with_kernels_off(gemma_files, monkeypatch):
-    """The compiled decode stack is Llama-only: Gemma 3 runs its Python layers either way, and
-    turning every compiled kernel off (attention, linear, rotary) changes no token."""
+    """Gemma 3 decodes in the compiled decode stack; turning every compiled kernel off (the
+    stack, attention, linear, rotary: the Python layers alone) changes no token."""
     from kvforge import LLM, SamplingParams
     from kvforge import kernels
     hf, path, _ = gemma_files
     prompts = [[5, 9, 90, 17] * 5, [40] * 13]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     on = LLM(path, block_size=4, num_kv_blocks=64)
-    assert not hasattr(on.engine.runner.model, "decode_stack")
+    assert on.engine.runner.model.decode_stack() is not None
     with_kernels = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(kernels, "_module", None)
     off = LLM(path, block_size=4, num_kv_blocks=64)
+    assert off.engine.runner.model.decode_stack() is None
     without = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
     assert with_kernels == without
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_decode_stack_matches_python_layers(gemma_files, fmt):
+    """One decode step of a batch through the compiled stack (q/k norms, post norms,
+    gelu-tanh, the local layers' window of 8 and RoPE base) against the Python layers on the
+    same cache: hidden states to float rounding. Rows from 3 to 30 tokens: inside and past the
+    window; then multi-step decoding (``decode_steps``) against one-step greedy."""
+    from kvforge import LLM
+    from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.kernels import cpu_kernels
+    if cpu_kernels() is None:
+        pytest.skip("compiled kernels unavailable")
+    hf, path, hf_dir = gemma_files
+    llm = LLM(path if fmt == "gguf" else hf_dir, block_size=4, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    stack = model.decode_stack()
+    assert stack is not None and stack.window == hf.config.sliding_window
+    g = torch.Generator().manual_seed(11)
+    lens = [3, 9, 30]
+    kv_caches = [torch.randn(2, 64, 4, model.config.num_key_value_heads, model.config.head_dim,
+                             generator=g) for _ in range(model.num_layers)]
+    tables = [[i * 8 + b for b in range(8)] for i in range(3)]
+    ids = torch.tensor([7, 11, 13])
+    positions = torch.tensor([n - 1 for n in lens])
+    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, 4)
+    with torch.inference_mode():
+        compiled = model(ids, positions, [c.clone() for c in kv_caches], meta)
+        model._decode_stack, model._decode_stack_built = None, True       # Python layers
+        try:
+            reference = model(ids, positions, [c.clone() for c in kv_caches], meta)
+        finally:
+            model._decode_stack = stack
+    torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-4)
+    assert model.can_decode_steps(3)
+    with torch.inference_mode():
+        caches = [c.clone() for c in kv_caches]
+        steps = model.decode_steps(ids, positions, 3, caches, torch.tensor(tables))
+        one_step = []
+        step_ids, caches = ids, [c.clone() for c in kv_caches]
+        for s in range(3):
+            m = AttentionMetadata.build([1, 1, 1], [n - 1 + s for n in lens], tables, 4)
+            step_ids = model.compute_logits(model(step_ids, positions + s, caches, m)).argmax(-1)
+            one_step.append(step_ids)
+    assert torch.equal(steps, torch.stack(one_step, 1))
 
 
 def test_gguf_tokenizer_and_chat_template(gemma_files):

@@ -217,23 +217,34 @@ void merge_partials(const Partial* parts, int64_t num_parts, int64_t heads, int6
 
 DecodeAttentionPlan::DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs,
                                          int64_t heads, int64_t kv_heads, int64_t dim_v,
-                                         int threads)
+                                         int threads, int64_t window)
     : seq_lens_(seq_lens), num_seqs_(num_seqs), heads_(heads), group_(heads / kv_heads),
       dim_v_(dim_v) {
-  // tasks: (sequence s, head range p, chunk c) -> keys [c * chunk, min((c + 1) * chunk, len))
-  // of heads [p * heads / splits, (p + 1) * heads / splits). Fewer chunk tasks than ~2 per
+  // tasks: (sequence s, head range p, chunk c) -> keys [max(lo, (c0 + c) * chunk),
+  // min((c0 + c + 1) * chunk, len)) of heads [p * heads / splits, (p + 1) * heads / splits),
+  // where lo = max(0, len - window) is the row's first visible key (0 without a window) and
+  // c0 = lo / chunk: chunks stay at whole multiples of the chunk in absolute positions.
+  //
+  //   keys   0 ....... 256 ....... 512 ....... 768      len = 700, window = 512: lo = 188
+  //   chunks           [188, 256)  [256, 512)  [512, 700)
+  //
+  // Fewer chunk tasks than ~2 per
   // thread (batch 1 at 64 or 300 tokens: 1 or 2 chunks) split the heads as well; a head's sums
   // do not depend on which task runs it, so the split keeps the rows' bits. Tasks go to the
   // threads in contiguous runs, so a row's chunks of one head range share a thread: batch 1 at
   // 300 tokens gives each thread one head range's 256 + 44 keys, not one thread 256 keys and
   // the other 44. (Chunks sized to the batch balanced that too, but moved a row's chunk bounds
   // with the number of rows, and its rounding with them.)
+  TORCH_CHECK(window >= 0, "attention window must be >= 0 (0: none), got ", window);
   chunk_ = kChunk;
   const int64_t want_tasks = 2 * static_cast<int64_t>(threads);
   chunks_.resize(num_seqs);
+  first_key_.resize(num_seqs);
   int64_t chunk_tasks = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    chunks_[s] = std::max<int64_t>(1, (seq_lens[s] + chunk_ - 1) / chunk_);
+    first_key_[s] = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0;
+    const int64_t c0 = first_key_[s] / chunk_, c1 = (seq_lens[s] + chunk_ - 1) / chunk_;
+    chunks_[s] = std::max<int64_t>(1, c1 - c0);
     chunk_tasks += chunks_[s];
   }
   splits_ = chunk_tasks >= want_tasks
@@ -255,7 +266,8 @@ void DecodeAttentionPlan::run_task(int64_t t, const float* q, int64_t q_row_stri
                     first_task_.begin() - 1;
   const int64_t p = (t - first_task_[s]) / chunks_[s], c = (t - first_task_[s]) % chunks_[s];
   const int64_t h0 = p * heads_ / splits_, h1 = (p + 1) * heads_ / splits_;
-  const int64_t j0 = c * chunk_, j1 = std::min(seq_lens_[s], j0 + chunk_);
+  const int64_t lo = first_key_[s], base = (lo / chunk_ + c) * chunk_;
+  const int64_t j0 = std::max(lo, base), j1 = std::min(seq_lens_[s], base + chunk_);
   attend_chunk(q + s * q_row_stride, q_head_stride, keys, values, block_tables + s * table_stride,
                j0, j1, h0, h1, group_, scale, parts_[t], scores);
   if (chunks_[s] == 1)           // the whole sequence: normalise in place, nothing to merge
@@ -274,9 +286,9 @@ void DecodeAttentionPlan::merge(int64_t i, float* out) const {
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      float scale, float* out) {
+                      float scale, float* out, int64_t window) {
   DecodeAttentionPlan plan(seq_lens, num_seqs, heads, kv_heads, values.dim,
-                           at::get_num_threads());
+                           at::get_num_threads(), window);
   at::parallel_for(0, plan.num_tasks(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t)
@@ -289,7 +301,8 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
 }
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t window) {
   check_fp32_cpu(q, "q");
   check_fp32_cpu(key_cache, "key_cache");
   check_fp32_cpu(value_cache, "value_cache");
@@ -314,7 +327,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
   decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), keys, values,
                    block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                    seq_lens.data_ptr<int64_t>(), n, heads, kv_heads, static_cast<float>(scale),
-                   out.data_ptr<float>());
+                   out.data_ptr<float>(), window);
   return out;
 }
 

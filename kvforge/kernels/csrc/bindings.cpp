@@ -41,7 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_pack_rows") = kvforge::kPackRows;
   m.attr("linear_packing_pays") = kvforge::kPackingPays;   // whether layers should be packed
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
-        "decode attention over paged KV (fp32)", release_gil());
+        "decode attention over paged KV (fp32); window > 0: the last `window` keys of each row",
+        pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, release_gil());
   m.def("quest_decode", &kvforge::quest_decode,
         "QUEST sparse decode: block bounds, top-k, attention over the chosen blocks (fp32)",
         release_gil());

@@ -10,6 +10,16 @@
 //   residual += a @ Wo^T (+ b);  h = rms(residual) * ln2
 //   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wdown^T           (gate|up fused in one weight)
 //
+// Gemma 3's layers (models/gemma3.py) are the same step with four additions, each optional per
+// layer: RMSNorms of every q and k head before the rotation, norms of the attention and MLP
+// outputs before they join the residual, gelu-tanh in place of SiLU, and a sliding window
+// (keys p - W < k <= p) with its own RoPE base on the local layers:
+//
+//   q, k heads = rms(head) * q_norm / k_norm        then rotate with this layer's cos/sin
+//   a = attention over all keys, or the last W       residual += rms(a @ Wo^T) * post_attn
+//   h = rms(residual) * ln2 ... x = rms(mlp(h)) * post_ffn                (the next layer adds x)
+//
+// (Gemma's norms scale by 1 + w: the caller passes that sum as the weight.)
 // Weights are the model's own tensors (no copies). Packed fp32 weights (layers/linear.py's
 // PackedLinearMethod) run linear_packed at any rows; row-major ones linear_rows (register
 // tiles) for kLinearRowsMin..kLinearRowsMax rows, MKL beyond like the Python path; a quantized
@@ -142,7 +152,15 @@ struct Projection {
 struct LayerWeights {
   at::Tensor ln1, ln2;
   Projection qkv, o, gate_up, down;
+  // Gemma 3 (undefined / 0 for Llama): q and k head norms [head_dim], output norms [hidden],
+  // the attention window (0: every key) and which cos/sin the layer rotates with
+  at::Tensor q_norm, k_norm, post_attn, post_ffn;
+  int64_t window = 0;
+  int rope = 0;
 };
+
+// The MLP's gate activation.
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // A layer's activation-sparse twins (sparse_gemv.cpp), used for steps of <= sparse_rows_max_
 // rows: TEAL gives any of the four projections one, CATS the MLP as a whole; nullptr: dense.
@@ -155,11 +173,20 @@ struct SparseLayer {
 
 class DecodeStack {
  public:
+  // extras: empty (Llama) or per layer [q_norm, k_norm, post_attn_norm, post_ffn_norm, window,
+  // rope] (Gemma 3: norms as tensors, window 0 or W, rope 0 or 1: which of forward's two
+  // cos/sin the layer takes); activation 0 = SiLU, 1 = gelu-tanh
   DecodeStack(std::vector<std::vector<pybind11::object>> layers, at::Tensor final_norm,
-              double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+              double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+              int64_t activation, std::vector<std::vector<pybind11::object>> extras)
       : final_norm_(std::move(final_norm)), eps_(static_cast<float>(eps)), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), scale_(static_cast<float>(scale)) {
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "bad head configuration");
+    TORCH_CHECK(activation == 0 || activation == 1, "activation must be 0 (SiLU) or 1 "
+                "(gelu-tanh), got ", activation);
+    activation_ = static_cast<Activation>(activation);
+    TORCH_CHECK(extras.empty() || extras.size() == layers.size(),
+                "extras: none, or one entry per layer");
     check_fp32_cpu(final_norm_, "final_norm");
     hidden_ = final_norm_.numel();
     const int64_t qkv_out = (heads + 2 * kv_heads) * head_dim;
@@ -184,13 +211,19 @@ class DecodeStack {
       TORCH_CHECK(w.gate_up.is_module() || w.down.is_module() ||
                       w.gate_up.out_features() == 2 * w.down.in_features(),
                   "gate_up must be [gate | up] of down's input width");
+      if (!extras.empty()) set_extras(w, extras[layers_.size()]);
       layers_.push_back(std::move(w));
     }
   }
 
+  // the windowed layers' window (0: none; every windowed layer has the same)
+  int64_t window() const { return window_; }
+
   // hidden [n, hidden] (token embeddings) -> final-normed hidden [n, hidden]
+  // cos_local / sin_local: the second RoPE's rows (Gemma's local layers), when layers use it
   at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos, at::Tensor sin) {
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos, at::Tensor sin,
+                     c10::optional<at::Tensor> cos_local, c10::optional<at::Tensor> sin_local) {
     const int64_t n = hidden.size(0);
     check_fp32_cpu(hidden, "hidden");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.is_contiguous(), "hidden");
@@ -206,6 +239,18 @@ class DecodeStack {
                     sin.stride(1) == 1, "cos/sin must be [n, head_dim]");
     check_fp32_cpu(cos, "cos");
     check_fp32_cpu(sin, "sin");
+    const bool two_ropes = cos_local.has_value() && cos_local->defined();
+    TORCH_CHECK(two_ropes == (sin_local.has_value() && sin_local->defined()),
+                "cos_local and sin_local go together");
+    TORCH_CHECK(two_ropes || ropes_ == 1, "the layers rotate with two RoPEs: pass cos_local / "
+                "sin_local");
+    if (two_ropes) {
+      check_fp32_cpu(*cos_local, "cos_local");
+      check_fp32_cpu(*sin_local, "sin_local");
+      TORCH_CHECK(cos_local->sizes() == cos.sizes() && sin_local->sizes() == sin.sizes() &&
+                      cos_local->stride(1) == 1 && sin_local->stride(1) == 1,
+                  "cos_local / sin_local must be [n, head_dim] like cos / sin");
+    }
     const auto [num_slots, block_size] = check_caches(kv_caches);
     // bounds, once per step: every slot and every attended block must exist
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -216,8 +261,12 @@ class DecodeStack {
       check_row(slots[t], lens[t], tables + t * table_stride, block_tables.size(1), num_slots,
                 block_size);
 
-    const Step step{kv_caches, slots, tables, table_stride, lens, cos, sin, num_slots, block_size,
-                    n};
+    const Rope global{cos.data_ptr<float>(), cos.stride(0), sin.data_ptr<float>(), sin.stride(0)};
+    const Rope local = two_ropes ? Rope{cos_local->data_ptr<float>(), cos_local->stride(0),
+                                        sin_local->data_ptr<float>(), sin_local->stride(0)}
+                                 : global;
+    const Step step{kv_caches, slots, tables, table_stride, lens, {global, local}, num_slots,
+                    block_size, n};
     return team_runs_all(n) ? forward_team(hidden, step) : forward_ops(hidden, step);
   }
 
@@ -274,8 +323,10 @@ class DecodeStack {
   //
   // embedding, head: [vocab, hidden] weights as projections take them (an fp32 tensor, a
   // packed tuple, a GgufWeight; a tied model passes the same one twice); cos_sin: rotary table
-  // [positions, 2, head_dim]. Called with the GIL held: it reads the Python objects, then
-  // releases the GIL for the steps.
+  // [positions, 2, head_dim] whose row i is position position_base + i (cos_sin_local: the
+  // second RoPE's, the same rows); embed_scale multiplies the embedded rows (Gemma: sqrt of
+  // the width). Called with the GIL held: it reads the Python objects, then releases the GIL
+  // for the steps.
   //
   // stop (optional int32 [1], another thread may set it while the call runs): read after
   // each step but the last; nonzero ends the call there, so a request arriving mid-call waits
@@ -284,7 +335,9 @@ class DecodeStack {
   at::Tensor generate(at::Tensor ids, at::Tensor positions, int64_t steps,
                       std::vector<at::Tensor> kv_caches, at::Tensor block_tables,
                       at::Tensor cos_sin, pybind11::object embedding, pybind11::object head,
-                      int64_t vocab, c10::optional<at::Tensor> stop) {
+                      int64_t vocab, c10::optional<at::Tensor> stop,
+                      c10::optional<at::Tensor> cos_sin_local, int64_t position_base,
+                      double embed_scale) {
     const pybind11::object no_bias = pybind11::none();
     const Projection table = Projection::from(embedding, no_bias);
     const Projection lm_head = Projection::from(head, no_bias);
@@ -303,6 +356,17 @@ class DecodeStack {
     check_fp32_cpu(cos_sin, "cos_sin table");
     TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim_ &&
                     cos_sin.is_contiguous(), "cos_sin table must be [positions, 2, head_dim]");
+    std::vector<const at::Tensor*> rope_tables{&cos_sin};
+    if (cos_sin_local.has_value() && cos_sin_local->defined()) {
+      check_fp32_cpu(*cos_sin_local, "cos_sin_local table");
+      TORCH_CHECK(cos_sin_local->sizes() == cos_sin.sizes() && cos_sin_local->is_contiguous(),
+                  "cos_sin_local must be shaped like cos_sin");
+      rope_tables.push_back(&*cos_sin_local);
+    }
+    TORCH_CHECK(static_cast<int64_t>(rope_tables.size()) >= ropes_,
+                "the layers rotate with two RoPEs: pass cos_sin_local");
+    TORCH_CHECK(position_base >= 0, "position_base must be >= 0, got ", position_base);
+    const float scale_rows = static_cast<float>(embed_scale);
     for (const Projection* p : {&table, &lm_head})
       TORCH_CHECK(!p->is_module() && p->in_features() == hidden_ && p->out_features() == vocab,
                   "embedding and head must be [vocab = ", vocab, ", hidden = ", hidden_,
@@ -323,8 +387,9 @@ class DecodeStack {
     std::vector<int64_t> slots(steps * n), lens(steps * n);
     for (int64_t t = 0; t < n; ++t) {
       TORCH_CHECK(id0[t] >= 0 && id0[t] < vocab, "token id ", id0[t], " out of range");
-      TORCH_CHECK(pos0[t] >= 0 && pos0[t] + steps <= cos_sin.size(0), "position ",
-                  pos0[t] + steps - 1, " past the rotary table (", cos_sin.size(0), ")");
+      TORCH_CHECK(pos0[t] >= position_base && pos0[t] + steps - position_base <= cos_sin.size(0),
+                  "positions ", pos0[t], "..", pos0[t] + steps - 1, " outside the rotary table (",
+                  position_base, "..", position_base + cos_sin.size(0) - 1, ")");
       for (int64_t s = 0; s < steps; ++s) {
         const int64_t pos = pos0[t] + s;
         const int64_t b = pos / block_size;
@@ -340,25 +405,37 @@ class DecodeStack {
     SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
                      opts);
     at::Tensor logits = at::empty({n, vocab}, opts), out = at::empty({n, steps}, ids.options());
-    at::Tensor cos = at::empty({steps, n, head_dim_}, opts), sin = at::empty_like(cos);
-    for (int64_t s = 0; s < steps; ++s)
-      for (int64_t t = 0; t < n; ++t) {
-        const float* row = cos_sin.data_ptr<float>() + (pos0[t] + s) * 2 * head_dim_;
-        std::copy(row, row + head_dim_, cos.data_ptr<float>() + (s * n + t) * head_dim_);
-        std::copy(row + head_dim_, row + 2 * head_dim_,
-                  sin.data_ptr<float>() + (s * n + t) * head_dim_);
-      }
-    std::vector<at::Tensor> cos_steps, sin_steps;           // [n, head_dim] each
-    for (int64_t s = 0; s < steps; ++s) {
-      cos_steps.push_back(cos[s]);
-      sin_steps.push_back(sin[s]);
+    // per table: cos, sin [steps, n, head_dim] gathered from the table's rows
+    std::vector<at::Tensor> cos, sin;
+    for (const at::Tensor* table : rope_tables) {
+      cos.push_back(at::empty({steps, n, head_dim_}, opts));
+      sin.push_back(at::empty({steps, n, head_dim_}, opts));
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t t = 0; t < n; ++t) {
+          const float* row =
+              table->data_ptr<float>() + (pos0[t] + s - position_base) * 2 * head_dim_;
+          std::copy(row, row + head_dim_, cos.back().data_ptr<float>() + (s * n + t) * head_dim_);
+          std::copy(row + head_dim_, row + 2 * head_dim_,
+                    sin.back().data_ptr<float>() + (s * n + t) * head_dim_);
+        }
     }
+    auto rope_at = [&](size_t table, int64_t s) {
+      const size_t i = std::min(table, cos.size() - 1);
+      return Rope{cos[i].data_ptr<float>() + s * n * head_dim_, head_dim_,
+                  sin[i].data_ptr<float>() + s * n * head_dim_, head_dim_};
+    };
     const int threads = at::get_num_threads();
     TORCH_CHECK(vocab >= threads, "vocab ", vocab, " smaller than the team");   // argmax parts
-    std::vector<DecodeAttentionPlan> plans;
+    // per step: the plan over every key, and over the window's keys (windowed layers)
+    std::vector<DecodeAttentionPlan> plans, window_plans;
     plans.reserve(steps);
-    for (int64_t s = 0; s < steps; ++s)
+    window_plans.reserve(steps);
+    for (int64_t s = 0; s < steps; ++s) {
       plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads);
+      if (window_ > 0)
+        window_plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads,
+                                  window_);
+    }
     // per step: the layers' claims, then the head's
     const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
     std::vector<ShareClaim> claims(steps * step_claims);
@@ -376,13 +453,20 @@ class DecodeStack {
       const int64_t v0 = Team::split(vocab, team.rank(), team.size()),
                     v1 = Team::split(vocab, team.rank() + 1, team.size());
       for (int64_t s = 0; s < steps; ++s) {
-        for (int64_t t = 0; t < n; ++t)             // every thread embeds every row
-          table.weight_row(tokens[t], x.data() + t * hidden_);
-        const Step st{kv_caches, slots.data() + s * n, tables, table_stride, lens.data() + s * n,
-                      cos_steps[s], sin_steps[s], num_slots, block_size, n};
+        for (int64_t t = 0; t < n; ++t) {           // every thread embeds every row
+          float* row = x.data() + t * hidden_;
+          table.weight_row(tokens[t], row);
+          if (scale_rows != 1.f)
+            for (int64_t c = 0; c < hidden_; ++c) row[c] *= scale_rows;
+        }
+        const Step st{kv_caches,  slots.data() + s * n, tables,     table_stride,
+                      lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
+                      block_size, n};
         ShareClaim* claim = claims.data() + s * step_claims;
-        team_layers(team, st, x.data(), plans[s], claim, sh, pv);
-        add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
+        DecodeAttentionPlan* step_plans[2] = {&plans[s],
+                                              window_ > 0 ? &window_plans[s] : &plans[s]};
+        const float* last = team_layers(team, st, x.data(), step_plans, claim, sh, pv);
+        add_rms_norm_rows(last, hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), normed.data(), pv.residual.data(), n,
                           hidden_, eps_);
         lm_head.run(normed.data(), hidden_, logits_p, n, team,
@@ -419,15 +503,61 @@ class DecodeStack {
   }
 
  private:
+  struct Rope {              // one RoPE's rows of a step: cos, sin [n, head_dim]
+    const float* cos;
+    int64_t cos_stride;
+    const float* sin;
+    int64_t sin_stride;
+  };
   struct Step {              // one step's inputs besides the embedded rows, checked
     const std::vector<at::Tensor>& kv_caches;
     const int64_t *slots, *tables;
     int64_t table_stride;
     const int64_t* lens;
-    const at::Tensor &cos, &sin;
+    Rope rope[2];                  // a layer's LayerWeights::rope picks one
     int64_t num_slots, block_size;
     int64_t n;                     // rows (sequences) this step
   };
+
+  // Gemma 3's per-layer parts: [q_norm, k_norm, post_attn, post_ffn, window, rope]
+  void set_extras(LayerWeights& w, const std::vector<pybind11::object>& e) {
+    TORCH_CHECK(e.size() == 6, "each layer's extras: q_norm, k_norm, post_attn_norm, "
+                "post_ffn_norm, window, rope");
+    w.q_norm = e[0].cast<at::Tensor>();
+    w.k_norm = e[1].cast<at::Tensor>();
+    w.post_attn = e[2].cast<at::Tensor>();
+    w.post_ffn = e[3].cast<at::Tensor>();
+    for (const auto& [t, size, name] :
+         {std::tuple<const at::Tensor&, int64_t, const char*>{w.q_norm, head_dim_, "q_norm"},
+          {w.k_norm, head_dim_, "k_norm"}, {w.post_attn, hidden_, "post_attn_norm"},
+          {w.post_ffn, hidden_, "post_ffn_norm"}}) {
+      check_fp32_cpu(t, name);
+      TORCH_CHECK(t.is_contiguous() && t.numel() == size, name, " must have ", size,
+                  " entries, got ", t.numel());
+    }
+    w.window = e[4].cast<int64_t>();
+    w.rope = e[5].cast<int>();
+    TORCH_CHECK(w.window >= 0, "window must be >= 0, got ", w.window);
+    TORCH_CHECK(w.window == 0 || window_ == 0 || w.window == window_,
+                "every windowed layer must have the same window: ", window_, " and ", w.window);
+    if (w.window > 0) window_ = w.window;
+    TORCH_CHECK(w.rope == 0 || w.rope == 1, "rope must be 0 or 1, got ", w.rope);
+    ropes_ = std::max(ropes_, w.rope + 1);
+  }
+
+  // RMSNorm of `count` heads (head_dim floats each, adjacent) in place: Gemma's q / k norms
+  void head_norms(float* heads, int64_t count, const at::Tensor& w) const {
+    add_rms_norm_rows(heads, head_dim_, nullptr, 0, w.data_ptr<float>(), heads, nullptr, count,
+                      head_dim_, eps_);
+  }
+
+  void activation_rows(const float* gate_up, int64_t gs, float* out, int64_t rows,
+                       int64_t width) const {
+    if (activation_ == Activation::kGeluTanh)
+      gelu_tanh_and_mul_rows(gate_up, gs, out, rows, width);
+    else
+      silu_and_mul_rows(gate_up, gs, out, rows, width);
+  }
 
   bool team_runs_all(int64_t n) const {
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -497,8 +627,9 @@ class DecodeStack {
   // What each thread of a team keeps to itself: the residual stream, norm and SwiGLU outputs.
   struct PrivateBuffers {
     std::vector<float> residual, h, act, scores;
+    std::vector<float> post;       // a normed attention / MLP output (Gemma's post norms)
     PrivateBuffers(int64_t n, int64_t hidden, int64_t inter)
-        : residual(n * hidden), h(n * hidden), act(n * inter) {}
+        : residual(n * hidden), h(n * hidden), act(n * inter), post(n * hidden) {}
   };
   // per layer: claims of qkv, attention tasks, merges, o, gate_up, down, CATS' up, then the
   // rotations of sparse qkv, o, gate_up, down (a thread each)
@@ -531,11 +662,13 @@ class DecodeStack {
   //   act = silu(gate) * up                        private
   //   x = act @ Wdown^T           columns shared       -> barrier
   //
-  // On return the last layer's output is in sh.x and the residual stream in pv.residual;
-  // `embedded` [n, hidden] is the first layer's input; `claims`: layers * kWorks * team size.
-  void team_layers(const Team& team, const Step& st, const float* embedded,
-                   DecodeAttentionPlan& plan, ShareClaim* claims, SharedBuffers& sh,
-                   PrivateBuffers& pv) const {
+  // (Gemma: the head norms before the rotation on the same heads; the output norms private.)
+  // Returns the last layer's output (sh.x, or this thread's pv.post after a post-MLP norm);
+  // the residual stream is in pv.residual. `embedded` [n, hidden] is the first layer's input;
+  // `plans`: over every key, over the window's; `claims`: layers * kWorks * team size.
+  const float* team_layers(const Team& team, const Step& st, const float* embedded,
+                           DecodeAttentionPlan* const* plans, ShareClaim* claims,
+                           SharedBuffers& sh, PrivateBuffers& pv) const {
     const int64_t n = st.n;
     const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
     const int64_t qkv_width = q_width + 2 * kv_row;
@@ -543,9 +676,9 @@ class DecodeStack {
     float *qkv_p = sh.qkv.data_ptr<float>(), *attn_p = sh.attn.data_ptr<float>(),
           *o_p = sh.o.data_ptr<float>(), *gu_p = sh.gate_up.data_ptr<float>(),
           *x_p = sh.x.data_ptr<float>();
-    float *residual = pv.residual.data(), *h = pv.h.data(), *act = pv.act.data();
-    const float *cos_p = st.cos.data_ptr<float>(), *sin_p = st.sin.data_ptr<float>();
-    const int64_t cs = st.cos.stride(0), ss = st.sin.stride(0);
+    float *residual = pv.residual.data(), *h = pv.h.data(), *act = pv.act.data(),
+          *post = pv.post.data();
+    const float* layer_out = x_p;        // the previous layer's output
     // q heads this thread rotates, KV heads it rotates and writes
     const int64_t h0 = Team::split(heads_, team.rank(), threads),
                   h1 = Team::split(heads_, team.rank() + 1, threads);
@@ -560,8 +693,8 @@ class DecodeStack {
         add_rms_norm_rows(embedded, hidden_, nullptr, 0, w.ln1.data_ptr<float>(), h, nullptr, n,
                           hidden_, eps_);
       } else {
-        add_rms_norm_rows(x_p, hidden_, residual, hidden_, w.ln1.data_ptr<float>(), h, residual,
-                          n, hidden_, eps_);
+        add_rms_norm_rows(layer_out, hidden_, residual, hidden_, w.ln1.data_ptr<float>(), h,
+                          residual, n, hidden_, eps_);
       }
       run_projection(w.qkv, sp ? sp->qkv : nullptr, h, hidden_, qkv_p, n, team, claim,
                      claim + kRotationWorks * threads);
@@ -570,6 +703,14 @@ class DecodeStack {
       const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
       float* my_q = qkv_p + h0 * head_dim_;
       float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
+      if (w.q_norm.defined())
+        for (int64_t t = 0; t < n; ++t) {
+          head_norms(my_q + t * qkv_width, h1 - h0, w.q_norm);
+          head_norms(my_k + t * qkv_width, k1 - k0, w.k_norm);
+        }
+      const Rope& rope = st.rope[w.rope];
+      const float *cos_p = rope.cos, *sin_p = rope.sin;
+      const int64_t cs = rope.cos_stride, ss = rope.sin_stride;
       rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0, head_dim_);
       rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0, head_dim_);
       for (int64_t t = 0; t < n; ++t) {
@@ -583,6 +724,7 @@ class DecodeStack {
                          head_dim_};
       const PagedKV values{cache + plane, st.block_size * kv_row, kv_row, head_dim_,
                            st.block_size, head_dim_};
+      DecodeAttentionPlan& plan = *plans[w.window > 0 ? 1 : 0];
       team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
                       [&](int64_t t0, int64_t t1, int64_t) {
         for (int64_t t = t0; t < t1; ++t)
@@ -600,8 +742,15 @@ class DecodeStack {
       run_projection(w.o, sp ? sp->o : nullptr, attn_p, q_width, o_p, n, team,
                      claim + 3 * threads, claim + (kRotationWorks + 1) * threads);
       team.barrier();
-      add_rms_norm_rows(o_p, hidden_, residual, hidden_, w.ln2.data_ptr<float>(), h, residual, n,
-                        hidden_, eps_);
+      const float* attn_out = o_p;
+      if (w.post_attn.defined()) {
+        add_rms_norm_rows(o_p, hidden_, nullptr, 0, w.post_attn.data_ptr<float>(), post, nullptr,
+                          n, hidden_, eps_);
+        attn_out = post;
+      }
+      add_rms_norm_rows(attn_out, hidden_, residual, hidden_, w.ln2.data_ptr<float>(), h,
+                        residual, n, hidden_, eps_);
+      layer_out = x_p;
       if (sp != nullptr && sp->cats != nullptr) {     // claims 4, 5, 6: gate, up, down
         sp->cats->run(h, hidden_, gu_p, x_p, n, team, claim + 4 * threads);
         team.barrier();
@@ -611,11 +760,17 @@ class DecodeStack {
                      claim + 4 * threads, claim + (kRotationWorks + 2) * threads);
       team.barrier();
       const int64_t width = sp && sp->down ? sp->down->in_features() : w.down.in_features();
-      silu_and_mul_rows(gu_p, 2 * width, act, n, width);
+      activation_rows(gu_p, 2 * width, act, n, width);
       run_projection(w.down, sp ? sp->down : nullptr, act, width, x_p, n, team,
                      claim + 5 * threads, claim + (kRotationWorks + 3) * threads);
       team.barrier();
+      if (w.post_ffn.defined()) {
+        add_rms_norm_rows(x_p, hidden_, nullptr, 0, w.post_ffn.data_ptr<float>(), post, nullptr,
+                          n, hidden_, eps_);
+        layer_out = post;
+      }
     }
+    return layer_out;
   }
 
   // One step as one team (team_layers), the final norm on the first thread.
@@ -628,12 +783,15 @@ class DecodeStack {
     at::Tensor out = at::empty({n, hidden_}, opts);
     const int threads = at::get_num_threads();
     DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, threads);
+    DecodeAttentionPlan window_plan(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_);
+    DecodeAttentionPlan* plans[2] = {&plan, &window_plan};
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);
-      team_layers(team, st, hidden.data_ptr<float>(), plan, claims.data(), sh, pv);
+      const float* last = team_layers(team, st, hidden.data_ptr<float>(), plans, claims.data(),
+                                      sh, pv);
       if (team.rank() == 0)
-        add_rms_norm_rows(sh.x.data_ptr<float>(), hidden_, pv.residual.data(), hidden_,
+        add_rms_norm_rows(last, hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), out.data_ptr<float>(),
                           pv.residual.data(), n, hidden_, eps_);
     });
@@ -650,7 +808,6 @@ class DecodeStack {
     const int64_t* tables = st.tables;
     const int64_t table_stride = st.table_stride;
     const int64_t* lens = st.lens;
-    const at::Tensor &cos = st.cos, &sin = st.sin;
     const std::vector<at::Tensor>& kv_caches = st.kv_caches;
     at::Tensor x = hidden, residual = at::empty_like(hidden), h = at::empty_like(hidden);
     at::Tensor attn = at::empty({n, q_width}, hidden.options());
@@ -669,8 +826,14 @@ class DecodeStack {
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_row && qkv.stride(1) == 1, "qkv output");
       float* qkv_p = qkv.data_ptr<float>();
       const int64_t qkv_stride = qkv.stride(0);
-      rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, cos.data_ptr<float>(), cos.stride(0),
-                  sin.data_ptr<float>(), sin.stride(0), n, heads_ + kv_heads_, head_dim_);
+      if (w.q_norm.defined())
+        for (int64_t t = 0; t < n; ++t) {
+          head_norms(qkv_p + t * qkv_stride, heads_, w.q_norm);
+          head_norms(qkv_p + t * qkv_stride + q_width, kv_heads_, w.k_norm);
+        }
+      const Rope& rope = st.rope[w.rope];
+      rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, rope.cos, rope.cos_stride, rope.sin,
+                  rope.sin_stride, n, heads_ + kv_heads_, head_dim_);
       float* cache = kv_caches[l].data_ptr<float>();
       const int64_t plane = num_slots * kv_row;     // K plane, then V plane
       for (int64_t t = 0; t < n; ++t) {
@@ -682,9 +845,13 @@ class DecodeStack {
       const PagedKV values{cache + plane, block_size * kv_row, kv_row, head_dim_, block_size,
                            head_dim_};
       decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
-                       heads_, kv_heads_, scale_, attn.data_ptr<float>());
+                       heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window);
       at::Tensor o = w.o(attn);
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
+      if (w.post_attn.defined())      // in place: o is this step's own tensor
+        add_rms_norm_rows(o.data_ptr<float>(), hidden_, nullptr, 0,
+                          w.post_attn.data_ptr<float>(), o.data_ptr<float>(), nullptr, n,
+                          hidden_, eps_);
       add_rms_norm_rows(o.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
                         w.ln2.data_ptr<float>(), h.data_ptr<float>(), residual.data_ptr<float>(),
                         n, hidden_, eps_);
@@ -692,10 +859,16 @@ class DecodeStack {
       TORCH_CHECK(gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, "gate_up output");
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({n, inter}, hidden.options());
-      silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
-                        inter);
+      activation_rows(gate_up.data_ptr<float>(), gate_up.stride(0), act.data_ptr<float>(), n,
+                      inter);
       x = w.down(act);
       TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous(), "down_proj output");
+      if (w.post_ffn.defined()) {
+        at::Tensor normed = at::empty_like(x);
+        add_rms_norm_rows(x.data_ptr<float>(), hidden_, nullptr, 0, w.post_ffn.data_ptr<float>(),
+                          normed.data_ptr<float>(), nullptr, n, hidden_, eps_);
+        x = normed;
+      }
     }
     at::Tensor out = at::empty_like(hidden);
     add_rms_norm_rows(x.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
@@ -712,22 +885,36 @@ class DecodeStack {
   float eps_;
   int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
   float scale_;
+  Activation activation_ = Activation::kSilu;
+  int64_t window_ = 0;                     // the windowed layers' window (0: none)
+  int ropes_ = 1;                          // RoPE tables the layers use (Gemma: 2)
 };
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<pybind11::object>>, at::Tensor, double,
-                          int64_t, int64_t, int64_t, double>())
+                          int64_t, int64_t, int64_t, double, int64_t,
+                          std::vector<std::vector<pybind11::object>>>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("eps"),
+           pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("scale"), pybind11::arg("activation") = 0,
+           pybind11::arg("extras") = std::vector<std::vector<pybind11::object>>{})
       // the GIL is released while a step runs, so Python threads (swap copies, the server)
       // keep going; quantized projections re-acquire it for their module call
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("kv_caches"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("cos_local") = pybind11::none(),
+           pybind11::arg("sin_local") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("window", &DecodeStack::window)
       .def("can_generate", &DecodeStack::can_generate)
       .def("set_sparsity", &DecodeStack::set_sparsity)
       .def("generate", &DecodeStack::generate,   // releases the GIL itself
            pybind11::arg("ids"), pybind11::arg("positions"), pybind11::arg("steps"),
            pybind11::arg("kv_caches"), pybind11::arg("block_tables"), pybind11::arg("cos_sin"),
            pybind11::arg("embedding"), pybind11::arg("head"), pybind11::arg("vocab"),
-           pybind11::arg("stop") = pybind11::none());
+           pybind11::arg("stop") = pybind11::none(), pybind11::arg("cos_sin_local") = pybind11::none(),
+           pybind11::arg("position_base") = 0, pybind11::arg("embed_scale") = 1.0);
 }
 
 }  // namespace kvforge

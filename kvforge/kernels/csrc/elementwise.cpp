@@ -40,6 +40,30 @@ void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, in
   });
 }
 
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3); with
+// tanh(u) = 1 - 2 / (1 + e^(2u)) that is g / (1 + e^(-2u)): SiLU's form, another argument
+void gelu_tanh_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows,
+                            int64_t inter) {
+  constexpr float kTwoC = 2.f * 0.7978845608028654f;     // 2 sqrt(2 / pi)
+  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = in + r * is;
+      const float* u = g + inter;
+      float* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + kVecLanes <= inter; i += kVecLanes) {
+        const vecn gv = loadn(g + i);
+        const vecn arg = kTwoC * (gv + 0.044715f * gv * gv * gv);
+        store_vec(o + i, gv / (1.f + expn(-arg)) * loadn(u + i));
+      }
+      for (; i < inter; ++i) {
+        const float arg = kTwoC * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+        o[i] = g[i] / (1.f + std::exp(-arg)) * u[i];
+      }
+    }
+  });
+}
+
 void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float* cos,
                  int64_t cs, const float* sin, int64_t ss, int64_t rows, int64_t heads,
                  int64_t dim) {

@@ -166,6 +166,9 @@ void add_rms_norm_rows(const float* x, int64_t xs, const float* res, int64_t rs,
 
 // out[r, i] = silu(in[r, i]) * in[r, inter + i]; in rows of stride `is`, out contiguous
 void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, int64_t inter);
+// gelu(gate, approximate="tanh") * up (Gemma's MLP), the same layout
+void gelu_tanh_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows,
+                            int64_t inter);
 
 // NeoX rotary of `heads` heads of `dim` floats per row, x -> out (may alias x), cos = [c | c],
 // sin = [-s | s] per row: out[i] = x[i] * cos[i] + x[(i + dim/2) % dim] * sin[i]
@@ -243,13 +246,14 @@ struct PagedKV {               // one layer's K or V plane: [num_blocks, block, 
   int64_t block_stride, token_stride, head_stride, block_size, dim;
 };
 
-// One query token per sequence over its paged context (see attention.cpp for the map).
+// One query token per sequence over its paged context (see attention.cpp for the map), or
+// over its last `window` keys (a sliding window: keys p - window < k <= p; 0 = all keys).
 // Cut into tasks (sequence, head range, chunk of keys) whose partial softmaxes of sequences in
 // several chunks are merged after: the same cut for every layer of a step.
 class DecodeAttentionPlan {
  public:
   DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      int64_t dim_v, int threads);
+                      int64_t dim_v, int threads, int64_t window = 0);
   int64_t num_tasks() const { return first_task_.back(); }
   // merge items (sequence, head range); 0 when every sequence fits one chunk (normalised in
   // its task)
@@ -268,13 +272,13 @@ class DecodeAttentionPlan {
   const int64_t* seq_lens_;
   int64_t num_seqs_, heads_, group_, dim_v_, chunk_ = 0, splits_ = 1;
   bool needs_merge_ = false;
-  std::vector<int64_t> chunks_, first_task_;
+  std::vector<int64_t> chunks_, first_key_, first_task_;
   std::vector<Partial> parts_;
 };
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      float scale, float* out);
+                      float scale, float* out, int64_t window = 0);
 
 // ---- tensor ops (bindings.cpp) ------------------------------------------------------------
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
@@ -286,7 +290,8 @@ at::Tensor linear_rows_op(at::Tensor x, at::Tensor weight);
 at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_features);
 at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t window = 0);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads);
