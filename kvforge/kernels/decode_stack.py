@@ -15,12 +15,53 @@ import torch
 from kvforge.kernels import cpu_kernels
 
 
+def _stack_mlp_and_projections_ok(layer, activations: tuple[str, ...]) -> bool:
+    """A layer's MLP is Llama's gated one with one of ``activations`` and no bias, and every
+    projection is one the stack takes (an fp32 contiguous weight, or any other method, which
+    it calls back)."""
+    from kvforge.layers.activation import GatedActivation
+    from kvforge.layers.linear import UnquantizedLinearMethod
+    from kvforge.models.llama import LlamaMLP
+    attn, mlp = layer.self_attn, layer.mlp
+    if (type(mlp) is not LlamaMLP or not isinstance(mlp.act_fn, GatedActivation)
+            or mlp.act_fn.act_name not in activations):
+        return False
+    if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return False
+    return not any(type(p.method) is UnquantizedLinearMethod
+                   and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
+                   for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+def _stack_projections(model) -> list[tuple]:
+    """Per layer ((qkv, bias), (o, bias), (gate_up, _), (down, _)) as the stack takes them,
+    the fp32 weights first moved into one huge-page buffer in the order a step reads them.
+    The packed panels are even with row-major at 1-8 rows and faster from 16 (linear.cpp): an
+    engine that verifies speculated tokens (up to 8 rows a step) keeps the model's row-major
+    weights (``pack_decode_weights``), whose few-row tiles were tuned for it."""
+    from kvforge.layers.linear import place_linears
+    layers = model.model.layers
+    place_linears([p for layer in layers
+                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)],
+                  pack=model.pack_decode_weights)
+    empty = torch.Tensor()
+
+    def projection(linear):
+        """What the stack multiplies by (``kernel_weight``) and the bias; a quantized layer
+        without one of our kernels: the module itself (called back)."""
+        bias = linear.bias if linear.bias is not None else empty
+        weight = kernel_weight(linear)
+        return (linear, empty) if weight is None else (weight, bias)
+
+    return [tuple(projection(p) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                          layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            for layer in layers]
+
+
 def build_llama_decode_stack(model):
     """A ``DecodeStack`` over ``model``'s own weight tensors, or None when not eligible."""
     from kvforge.attention.paged import PagedAttentionBackend
-    from kvforge.layers.activation import GatedActivation
-    from kvforge.layers.linear import UnquantizedLinearMethod, place_linears
-    from kvforge.models.llama import LlamaMLP
 
     ops = cpu_kernels()
     if ops is None or model.dtype != torch.float32:
@@ -31,45 +72,17 @@ def build_llama_decode_stack(model):
         return None
     norm_eps = None
     for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if (type(attn.attn) is not PagedAttentionBackend or type(mlp) is not LlamaMLP
-                or not isinstance(mlp.act_fn, GatedActivation)
-                or mlp.act_fn.act_name not in ("silu", "swish")):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(p.method) is UnquantizedLinearMethod
-               and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
-               for p in linears):
-            return None
-        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        if (type(layer.self_attn.attn) is not PagedAttentionBackend
+                or not _stack_mlp_and_projections_ok(layer, ("silu", "swish"))):
             return None
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, inner.norm.eps}
         if len(eps) != 1 or (norm_eps is not None and eps != {norm_eps}):
             return None
         norm_eps = eps.pop()
 
-    empty = torch.Tensor()
-    # The packed panels are even with row-major at 1-8 rows and faster from 16 (linear.cpp):
-    # an engine that verifies speculated tokens (up to 8 rows a step) keeps the model's
-    # row-major weights, whose few-row tiles were tuned for it.
-    # Either way the fp32 weights move into one huge-page buffer in the order a step reads them.
-    place_linears([p for layer in inner.layers
-                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)],
-                  pack=model.pack_decode_weights)
-
-    def projection(linear):
-        """What the stack multiplies by (``kernel_weight``) and the bias; a quantized layer
-        without one of our kernels: the module itself (called back)."""
-        bias = linear.bias if linear.bias is not None else empty
-        weight = kernel_weight(linear)
-        return (linear, empty) if weight is None else (weight, bias)
-
     layers = []
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        (qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _) = (
-            projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    for layer, ((qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _)) in zip(
+            inner.layers, _stack_projections(model)):
         layers.append([layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
                        layer.post_attention_layernorm.weight, gate_up, down])
     first = inner.layers[0].self_attn
@@ -85,10 +98,7 @@ def build_gemma3_decode_stack(model):
     that sum, computed in fp32 as the Python layers do."""
     from kvforge.attention.paged import PagedAttentionBackend
     from kvforge.attention.windowed import WindowedAttentionBackend
-    from kvforge.layers.activation import GatedActivation
-    from kvforge.layers.linear import UnquantizedLinearMethod, place_linears
     from kvforge.models.gemma3 import SLIDING
-    from kvforge.models.llama import LlamaMLP
 
     ops = cpu_kernels()
     if ops is None or model.dtype != torch.float32:
@@ -100,7 +110,7 @@ def build_gemma3_decode_stack(model):
             return None
     window, eps_all = 0, set()
     for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         backend = attn.attn
         if layer.layer_type == SLIDING:
             w = getattr(backend, "window", None)
@@ -110,15 +120,7 @@ def build_gemma3_decode_stack(model):
             window = w.window
         elif type(backend) is not PagedAttentionBackend:
             return None
-        if (type(mlp) is not LlamaMLP or not isinstance(mlp.act_fn, GatedActivation)
-                or mlp.act_fn.act_name not in ("gelu_pytorch_tanh", "gelu_new")):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(p.method) is UnquantizedLinearMethod
-               and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
-               for p in linears):
-            return None
-        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        if not _stack_mlp_and_projections_ok(layer, ("gelu_pytorch_tanh", "gelu_new")):
             return None
         eps_all |= {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm,
                                     layer.pre_feedforward_layernorm,
@@ -127,25 +129,13 @@ def build_gemma3_decode_stack(model):
     if len(eps_all) != 1:
         return None
 
-    empty = torch.Tensor()
-    place_linears([p for layer in inner.layers
-                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)],
-                  pack=model.pack_decode_weights)
-
-    def projection(linear):
-        bias = linear.bias if linear.bias is not None else empty
-        weight = kernel_weight(linear)
-        return (linear, empty) if weight is None else (weight, bias)
-
     def scale(norm):                      # OffsetRMSNorm: 1 + w in fp32, as its forward
         return (1.0 + norm.weight.detach().float()).contiguous()
 
     layers, extras = [], []
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        (qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _) = (
-            projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    for layer, ((qkv, qkv_bias), (o, o_bias), (gate_up, _), (down, _)) in zip(
+            inner.layers, _stack_projections(model)):
+        attn = layer.self_attn
         layers.append([scale(layer.input_layernorm), qkv, qkv_bias, o, o_bias,
                        scale(layer.pre_feedforward_layernorm), gate_up, down])
         sliding = layer.layer_type == SLIDING

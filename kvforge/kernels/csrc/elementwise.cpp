@@ -1,4 +1,4 @@
-// RMSNorm (+ residual add), SwiGLU and NeoX rotary: one pass per row each.
+// RMSNorm (+ residual add), gated activations (SwiGLU, gelu-tanh) and NeoX rotary: one pass per row each.
 #include "kernels.h"
 
 namespace kvforge {
@@ -23,7 +23,13 @@ void add_rms_norm_rows(const float* x, int64_t xs, const float* res, int64_t rs,
   });
 }
 
-void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, int64_t inter) {
+namespace {
+
+// out = act(gate) * up over rows of [gate | up], where act(g) = g / (1 + e^(-arg(g))):
+// SiLU's arg is g itself; gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715
+// g^3), is the same form with arg = 2u (tanh(u) = 1 - 2 / (1 + e^(2u)))
+template <class Arg>
+void gated_rows(const float* in, int64_t is, float* out, int64_t rows, int64_t inter, Arg arg) {
   at::parallel_for(0, rows, grain_rows(inter), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = in + r * is;
@@ -32,36 +38,25 @@ void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, in
       int64_t i = 0;
       for (; i + kVecLanes <= inter; i += kVecLanes) {
         const vecn gv = loadn(g + i);
-        const vecn v = gv / (1.f + expn(-gv)) * loadn(u + i);
-        store_vec(o + i, v);
+        store_vec(o + i, gv / (1.f + expn(-arg(gv))) * loadn(u + i));
       }
-      for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-arg(g[i]))) * u[i];
     }
   });
 }
 
-// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3); with
-// tanh(u) = 1 - 2 / (1 + e^(2u)) that is g / (1 + e^(-2u)): SiLU's form, another argument
+constexpr float kTwoSqrt2OverPi = 2.f * 0.7978845608028654f;
+
+}  // namespace
+
+void silu_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows, int64_t inter) {
+  gated_rows(in, is, out, rows, inter, [](auto g) { return g; });
+}
+
 void gelu_tanh_and_mul_rows(const float* in, int64_t is, float* out, int64_t rows,
                             int64_t inter) {
-  constexpr float kTwoC = 2.f * 0.7978845608028654f;     // 2 sqrt(2 / pi)
-  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = in + r * is;
-      const float* u = g + inter;
-      float* o = out + r * inter;
-      int64_t i = 0;
-      for (; i + kVecLanes <= inter; i += kVecLanes) {
-        const vecn gv = loadn(g + i);
-        const vecn arg = kTwoC * (gv + 0.044715f * gv * gv * gv);
-        store_vec(o + i, gv / (1.f + expn(-arg)) * loadn(u + i));
-      }
-      for (; i < inter; ++i) {
-        const float arg = kTwoC * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
-        o[i] = g[i] / (1.f + std::exp(-arg)) * u[i];
-      }
-    }
-  });
+  gated_rows(in, is, out, rows, inter,
+             [](auto g) { return kTwoSqrt2OverPi * (g + 0.044715f * g * g * g); });
 }
 
 void rotary_rows(const float* x, int64_t xs, float* out, int64_t os, const float* cos,
