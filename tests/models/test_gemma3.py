@@ -250,6 +250,27 @@ def test_decode_stack_matches_python_layers(gemma_files, fmt):
     assert torch.equal(steps, torch.stack(one_step, 1))
 
 
+def test_ngram_speculation_through_the_stack_matches_plain_greedy(gemma_files):
+    """Verification rows of speculated tokens run through the compiled stack, each query token
+    with its own causal length and, on the local layers, its own window of 8: prompts that
+    repeat themselves (long n-gram matches) past the window decode to the same tokens as
+    plain greedy decoding, and the n-gram guesses are used."""
+    from kvforge import LLM, SamplingParams
+    _, path, _ = gemma_files
+    prompts = [[5, 9, 90, 17, 33, 61] * 6, [40, 41, 42] * 7 + [43]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, block_size=4, num_kv_blocks=96)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(path, block_size=4, num_kv_blocks=96, speculative_method="ngram",
+               num_speculative_tokens=4)
+    assert spec.engine.runner.model.decode_stack() is not None
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = spec.engine.spec_stats
+    assert stats.num_verify_steps > 0 and stats.num_accepted > 0
+    spec.engine.check_integrity()
+
+
 def test_gguf_tokenizer_and_chat_template(gemma_files):
     """SentencePiece vocabulary from the file: BOS added, pieces as the merges rank them, the
     chat template from tokenizer.chat_template and <end_of_turn> a stop token."""
