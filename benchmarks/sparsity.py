@@ -11,7 +11,9 @@ gate|up's input thresholded in its principal axes, kvforge/sparsity/rotation.py)
 - speed: one engine, batch-1 greedy decode of ``--tokens`` tokens after a short English
   prompt (multi-step decoding, so the compiled step), the sparse projections switched on and
   off between reps (dense, sparse, dense, ...): same weights, same process, alternated so
-  background load hits both alike; the ratio of the median tok/s, and the share of weight rows
+  background load hits both alike; the ratio of the median tok/s (end to end: the prompt's
+  prefill and first token included) and of the decode phase's (tokens after the first over
+  the time after it: what the sparse step changes), and the share of weight rows
   the thresholds skip on that decoded text (the speed follows it; a rotated input skips less
   there than on the calibration's Shakespeare). Formats the sparse kernels do not read (GGUF
   blocks) decode dense.
@@ -39,15 +41,19 @@ from benchmarks.hardware import hardware_line  # noqa: E402
 SPEED_PROMPT = "The old lighthouse keeper climbed the stairs every evening, and"
 
 
-def decode(llm, tokens: int) -> tuple[float, list[int]]:
-    """(tok/s, prompt + decoded token ids) of one greedy batch-1 decode of ``tokens`` tokens."""
+def decode(llm, tokens: int) -> tuple[float, float, list[int]]:
+    """(tok/s end to end, decode-phase tok/s, prompt + decoded token ids) of one greedy
+    batch-1 decode of ``tokens`` tokens; the decode phase: the tokens after the first over the
+    time from the first token to the last."""
     from kvforge.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     out = llm.generate([SPEED_PROMPT], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     assert len(out[0].outputs[0].token_ids) == tokens
-    return tokens / elapsed, list(out[0].prompt_token_ids) + list(out[0].outputs[0].token_ids)
+    m = out[0].metrics
+    return (tokens / elapsed, (tokens - 1) / (m.finished_time - m.first_token_time),
+            list(out[0].prompt_token_ids) + list(out[0].outputs[0].token_ids))
 
 
 def skipped_on(model, thresholds, token_ids: list[int]) -> float:
@@ -60,22 +66,26 @@ def skipped_on(model, thresholds, token_ids: list[int]) -> float:
     return realised_overall(model, masks.realised())
 
 
-def measure_speed(llm, layers, reps: int, tokens: int) -> tuple[float, float, list[int]]:
-    """(dense tok/s, sparse tok/s, the dense reps' prompt + decoded ids): medians of
-    alternated reps."""
+def measure_speed(llm, layers, reps: int, tokens: int) -> dict:
+    """Medians of alternated reps: dense / sparse tok/s end to end and of the decode phase,
+    and the dense reps' prompt + decoded ids."""
     from kvforge.kernels import cpu_kernels
     stack = llm.engine.runner.model.decode_stack()
     rows = cpu_kernels().sparse_rows_max
-    dense, sparse = [], []
+    runs = {"dense": [], "sparse": []}
     decode(llm, 8)                                         # warm-up
     for _ in range(reps):
         stack.set_sparsity([], 0)
-        tok_s, decoded = decode(llm, tokens)
-        dense.append(tok_s)
+        *rates, decoded = decode(llm, tokens)
+        runs["dense"].append(rates)
         stack.set_sparsity(layers, rows)
-        sparse.append(decode(llm, tokens)[0])
+        runs["sparse"].append(decode(llm, tokens)[:2])
     stack.set_sparsity([], 0)
-    return statistics.median(dense), statistics.median(sparse), decoded
+    out = {"decoded": decoded}
+    for name, rates in runs.items():
+        out[name] = statistics.median(r[0] for r in rates)
+        out[f"{name}_decode"] = statistics.median(r[1] for r in rates)
+    return out
 
 
 def main() -> None:
@@ -145,20 +155,20 @@ def main() -> None:
         if not args.skip_speed and thresholds is not None:
             layers, covered = sparse_layers(model, thresholds, cpu_kernels())
             row["covered"] = covered
-            row["dense"], row["sparse"], decoded = measure_speed(llm, layers, args.reps,
-                                                                 args.tokens)
-            row["skipped_decoded"] = skipped_on(model, thresholds, decoded)
+            row.update(measure_speed(llm, layers, args.reps, args.tokens))
+            row["skipped_decoded"] = skipped_on(model, thresholds, row.pop("decoded"))
         rows.append(row)
         print(_line(row, base_ppl), flush=True)
 
     print("\n| S | rotation | ppl | ppl vs dense | skipped weights | realised qkv / o / gate_up / "
           "down (CATS: up / down) | whole 32-blocks zeroed | skipped on the decoded text | "
-          "dense tok/s | sparse tok/s | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "dense tok/s | sparse tok/s | speed-up | decode phase: dense / sparse tok/s | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_table_row(row, base_ppl))
     best = [r for r in rows if "sparse" in r]
-    speed = ", ".join(f"S={r['S']:g}{_rot(r)} x{r['sparse'] / r['dense']:.2f}" for r in best)
+    speed = ", ".join(f"S={r['S']:g}{_rot(r)} x{r['sparse'] / r['dense']:.2f} (decode phase "
+                      f"x{r['sparse_decode'] / r['dense_decode']:.2f})" for r in best)
     quality = ", ".join(f"S={r['S']:g}{_rot(r)} {r['ppl'] / base_ppl - 1:+.1%}" for r in rows
                         if "ppl" in r and base_ppl and r["S"] > 0)
     print(f"\nSUMMARY sparsity: {name} {args.quantization} {args.mode}/{args.allocation}: "
@@ -185,7 +195,9 @@ def _line(row, base) -> str:
                      f" skipped {row['skipped']:.1%}")
     if "sparse" in row:
         parts.append(f"decode dense {row['dense']:.1f} tok/s sparse {row['sparse']:.1f} tok/s "
-                     f"x{row['sparse'] / row['dense']:.2f} ({row['covered']} projections sparse, "
+                     f"x{row['sparse'] / row['dense']:.2f}, decode phase "
+                     f"x{row['sparse_decode'] / row['dense_decode']:.2f} "
+                     f"({row['covered']} projections sparse, "
                      f"{row['skipped_decoded']:.1%} of the weights skipped on the decoded text)")
     return " | ".join(parts)
 
@@ -197,9 +209,10 @@ def _table_row(row, base) -> str:
     skipped = f"{row['skipped']:.1%}" if "skipped" in row else "-"
     if "sparse" in row:
         speed = (f"{row['skipped_decoded']:.1%} | {row['dense']:.1f} | {row['sparse']:.1f} | "
-                 f"x{row['sparse'] / row['dense']:.2f}")
+                 f"x{row['sparse'] / row['dense']:.2f} | {row['dense_decode']:.1f} / "
+                 f"{row['sparse_decode']:.1f} | x{row['sparse_decode'] / row['dense_decode']:.2f}")
     else:
-        speed = "- | - | - | -"
+        speed = "- | - | - | - | - | -"
     return (f"| {row['S']:g} | {row.get('rotation', 'none')} | {ppl} | {rel} | {skipped} | "
             f"{kinds} | {blocks} | {speed} |")
 
