@@ -205,19 +205,22 @@ def test_engine_same_tokens_with_kernels_off(gemma_files, monkeypatch):
     assert with_kernels == without
 
 
-@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+@pytest.mark.parametrize("fmt", ["gguf", "hf", "int8"])
 def test_decode_stack_matches_python_layers(gemma_files, fmt):
     """One decode step of a batch through the compiled stack (q/k norms, post norms,
     gelu-tanh, the local layers' window of 8 and RoPE base) against the Python layers on the
     same cache: hidden states to float rounding. Rows from 3 to 30 tokens: inside and past the
-    window; then multi-step decoding (``decode_steps``) against one-step greedy."""
+    window; then multi-step decoding (``decode_steps``) against one-step greedy where the stack
+    runs every projection itself."""
     from kvforge import LLM
     from kvforge.attention.metadata import AttentionMetadata
     from kvforge.kernels import cpu_kernels
     if cpu_kernels() is None:
         pytest.skip("compiled kernels unavailable")
     hf, path, hf_dir = gemma_files
-    llm = LLM(path if fmt == "gguf" else hf_dir, block_size=4, num_kv_blocks=64)
+    # int8: projections the stack calls back as Python modules (its op-by-op path)
+    llm = LLM(path if fmt == "gguf" else hf_dir, block_size=4, num_kv_blocks=64,
+              quantization="int8" if fmt == "int8" else "auto")
     model = llm.engine.runner.model
     stack = model.decode_stack()
     assert stack is not None and stack.window == hf.config.sliding_window
@@ -237,6 +240,9 @@ def test_decode_stack_matches_python_layers(gemma_files, fmt):
         finally:
             model._decode_stack = stack
     torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-4)
+    if fmt == "int8":
+        assert not model.can_decode_steps(3)
+        return
     assert model.can_decode_steps(3)
     with torch.inference_mode():
         caches = [c.clone() for c in kv_caches]
