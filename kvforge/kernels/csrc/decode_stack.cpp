@@ -459,7 +459,7 @@ class DecodeStack {
           if (scale_rows != 1.f)
             for (int64_t c = 0; c < hidden_; ++c) row[c] *= scale_rows;
         }
-        const Step st{kv_caches,  slots.data() + s * n, tables,     table_stride,
+        const Step st{kv_caches, slots.data() + s * n, tables, table_stride,
                       lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
                       block_size, n};
         ShareClaim* claim = claims.data() + s * step_claims;
