@@ -12,8 +12,9 @@ and are never read)::
 
 then runs one ``scaled_dot_product_attention`` per group with an additive float mask (0 or
 -inf, shared by every head). Decodes under a window without sinks (Gemma 3's local layers)
-skip the gather: the compiled paged kernel reads each row's last ``window`` keys in place. With StreamingLLM positions, once a query is past S + W - 1 its
-sink scores must use the query rotated back by ``sink_shift(p)``:
+skip the gather: the compiled paged kernel reads each row's last ``window`` keys in place.
+With StreamingLLM positions, once a query is past S + W - 1 its sink scores must use the
+query rotated back by ``sink_shift(p)``:
 
 - decodes (one query per sequence): the sequence's sink keys are rotated forward by its shift
   instead (same score: RoPE is a rotation, q . R(d) k = R(-d) q . k);

@@ -1,7 +1,7 @@
 """The compiled whole-step decode (``kernels/decode_stack.py``) as a model family uses it.
 
 A family whose decode step the ``DecodeStack`` runs (Llama and its relatives, Gemma 3) mixes
-this in and says what differs through four hooks:
+this in and says what differs through these hooks:
 
 - ``_build_decode_stack()``: the stack over the model's weights, or None (not eligible);
 - ``_stack_step_inputs(ids, positions)``: the embedded rows and the step's RoPE rows, ``(hidden,
