@@ -159,8 +159,11 @@ def _prefill_groups(meta: AttentionMetadata, window: AttentionWindow, seq: int, 
     return groups
 
 
-def _build_groups(meta: AttentionMetadata, window: AttentionWindow, tile: int) -> list[_Group]:
-    groups = [_decode_group(meta, window)] if meta.num_decodes else []
+def _build_groups(meta: AttentionMetadata, window: AttentionWindow, tile: int,
+                  decodes: bool = True) -> list[_Group]:
+    """The step's groups; ``decodes=False``: the prefill tiles only (the decodes ran in the
+    compiled kernel)."""
+    groups = [_decode_group(meta, window)] if meta.num_decodes and decodes else []
     t0 = meta.num_decodes
     for seq in range(meta.num_decodes, meta.num_seqs):
         if meta.query_lens_list[seq]:
@@ -203,8 +206,8 @@ class WindowedAttentionBackend(PagedAttentionBackend):
         plans = meta.__dict__.setdefault("_window_plans", {})
         key = (window, self.query_tile, kernel_decodes)
         if key not in plans:
-            groups = _build_groups(meta, window, self.query_tile)
-            plans[key] = groups[1:] if kernel_decodes else groups
+            plans[key] = _build_groups(meta, window, self.query_tile,
+                                       decodes=not kernel_decodes)
         for group in plans[key]:
             self._attend(q, kv_cache, group, out)
         return out

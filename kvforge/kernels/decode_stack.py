@@ -140,7 +140,8 @@ def build_gemma3_decode_stack(model):
                        scale(layer.pre_feedforward_layernorm), gate_up, down])
         sliding = layer.layer_type == SLIDING
         # rope 1: the local base (forward's cos_local / generate's cos_sin_local)
-        extras.append([scale(attn.q_norm), scale(attn.k_norm), scale(layer.post_attention_layernorm),
+        extras.append([scale(attn.q_norm), scale(attn.k_norm),
+                       scale(layer.post_attention_layernorm),
                        scale(layer.post_feedforward_layernorm), window if sliding else 0,
                        1 if sliding else 0])
     return ops.DecodeStack(layers, scale(inner.norm), float(eps_all.pop()), first.num_heads,

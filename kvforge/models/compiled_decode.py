@@ -6,9 +6,9 @@ this in and says what differs through these hooks:
 - ``_build_decode_stack()``: the stack over the model's weights, or None (not eligible);
 - ``_stack_step_inputs(ids, positions)``: the embedded rows and the step's RoPE rows, ``(hidden,
   (cos, sin))`` or ``(hidden, (cos, sin, cos_local, sin_local))`` with ``[T, head_dim]`` each;
-- ``_stack_rope_tables(first, count)``: ``(cos_sin, cos_sin_local or None, base)``: rows
-  ``[rows, 2, head_dim]`` covering positions ``first .. first + count - 1`` from row
-  ``position - base`` (a precomputed table: the whole of it, base 0);
+- ``_stack_rope_tables(positions, num_steps)``: ``(cos_sin, cos_sin_local or None, base)``:
+  rows ``[rows, 2, head_dim]`` covering positions ``positions .. positions + num_steps - 1``,
+  position p at row ``p - base`` (a precomputed table: the whole of it, base 0);
 - ``_stack_embed_scale`` and ``_stack_greedy_exact``: the factor on embedded rows, and whether
   the argmax of the head's raw logits is the greedy token (not with a logit soft-cap).
 
@@ -39,7 +39,7 @@ class CompiledDecodeMixin:
     def _stack_step_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
         raise NotImplementedError
 
-    def _stack_rope_tables(self, first: int, count: int):
+    def _stack_rope_tables(self, positions: torch.Tensor, num_steps: int):
         raise NotImplementedError
 
     def _stack_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -81,9 +81,7 @@ class CompiledDecodeMixin:
         many one-step greedy samples would give: ``num_steps``, or fewer when another thread
         set ``stop`` (int32 [1]) during the call (it ends after the step then running)."""
         head, table = self._head_and_table()
-        first = int(positions.min())
-        cos_sin, cos_sin_local, base = self._stack_rope_tables(
-            first, int(positions.max()) + num_steps - first)
+        cos_sin, cos_sin_local, base = self._stack_rope_tables(positions, num_steps)
         return self.decode_stack().generate(
             input_ids, positions, num_steps, kv_caches, block_tables, cos_sin, table, head,
             self.config.vocab_size, stop, cos_sin_local=cos_sin_local, position_base=base,

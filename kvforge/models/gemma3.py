@@ -267,12 +267,14 @@ class Gemma3ForCausalLM(CompiledDecodeMixin, PagedKVModelMixin, nn.Module):
                 for t in rotary.cos_sin(positions, hidden.dtype)]
         return hidden, tuple(rows)              # cos, sin, cos_local, sin_local
 
-    def _stack_rope_tables(self, first: int, count: int):
-        positions = torch.arange(first, first + count, device=self.model.rotary_global.inv_freq.device)
+    def _stack_rope_tables(self, positions: torch.Tensor, num_steps: int):
+        # rows for the positions the call reaches only: no table of every position
+        first, last = int(positions.min()), int(positions.max()) + num_steps - 1
+        rows = torch.arange(first, last + 1, device=positions.device)
         tables = []
         for rotary in (self.model.rotary_global, self.model.rotary_local):
-            cos, sin = rotary.cos_sin(positions, self.dtype)                # [count, 1, D]
-            tables.append(torch.cat([cos, sin], dim=1).contiguous())       # [count, 2, D]
+            cos, sin = rotary.cos_sin(rows, self.dtype)                     # [rows, 1, D]
+            tables.append(torch.cat([cos, sin], dim=1).contiguous())       # [rows, 2, D]
         return tables[0], tables[1], first
 
     # ------------------------------------------------------------------ weights

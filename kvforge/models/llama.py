@@ -175,7 +175,7 @@ class LlamaForCausalLM(CompiledDecodeMixin, RotaryDecoderLMMixin, nn.Module):
         return (self.model.embed_tokens(input_ids),
                 (cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)))
 
-    def _stack_rope_tables(self, first: int, count: int):
+    def _stack_rope_tables(self, positions: torch.Tensor, num_steps: int):
         return self.model.rotary_emb.cos_sin_table, None, 0
 
     # ------------------------------------------------------------------ weights

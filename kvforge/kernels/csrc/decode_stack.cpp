@@ -27,6 +27,8 @@
 // between the projections still runs here.
 #include "kernels.h"
 
+#include <optional>
+
 namespace kvforge {
 namespace {
 
@@ -783,8 +785,10 @@ class DecodeStack {
     at::Tensor out = at::empty({n, hidden_}, opts);
     const int threads = at::get_num_threads();
     DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, threads);
-    DecodeAttentionPlan window_plan(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_);
-    DecodeAttentionPlan* plans[2] = {&plan, &window_plan};
+    std::optional<DecodeAttentionPlan> window_plan;       // windowed layers only
+    if (window_ > 0)
+      window_plan.emplace(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_);
+    DecodeAttentionPlan* plans[2] = {&plan, window_plan ? &*window_plan : &plan};
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);
@@ -863,12 +867,9 @@ class DecodeStack {
                       inter);
       x = w.down(act);
       TORCH_CHECK(x.size(1) == hidden_ && x.is_contiguous(), "down_proj output");
-      if (w.post_ffn.defined()) {
-        at::Tensor normed = at::empty_like(x);
+      if (w.post_ffn.defined())       // in place: x is this step's own tensor
         add_rms_norm_rows(x.data_ptr<float>(), hidden_, nullptr, 0, w.post_ffn.data_ptr<float>(),
-                          normed.data_ptr<float>(), nullptr, n, hidden_, eps_);
-        x = normed;
-      }
+                          x.data_ptr<float>(), nullptr, n, hidden_, eps_);
     }
     at::Tensor out = at::empty_like(hidden);
     add_rms_norm_rows(x.data_ptr<float>(), hidden_, residual.data_ptr<float>(), hidden_,
@@ -903,7 +904,8 @@ void bind_decode_stack(pybind11::module& m) {
       // keep going; quantized projections re-acquire it for their module call
       .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("kv_caches"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
-           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("cos_local") = pybind11::none(),
+           pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("cos_local") = pybind11::none(),
            pybind11::arg("sin_local") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("window", &DecodeStack::window)
@@ -913,7 +915,8 @@ void bind_decode_stack(pybind11::module& m) {
            pybind11::arg("ids"), pybind11::arg("positions"), pybind11::arg("steps"),
            pybind11::arg("kv_caches"), pybind11::arg("block_tables"), pybind11::arg("cos_sin"),
            pybind11::arg("embedding"), pybind11::arg("head"), pybind11::arg("vocab"),
-           pybind11::arg("stop") = pybind11::none(), pybind11::arg("cos_sin_local") = pybind11::none(),
+           pybind11::arg("stop") = pybind11::none(),
+           pybind11::arg("cos_sin_local") = pybind11::none(),
            pybind11::arg("position_base") = 0, pybind11::arg("embed_scale") = 1.0);
 }
 
