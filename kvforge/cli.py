@@ -93,8 +93,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "runs up to this many steps per engine step (tokens stream in groups "
                         "of up to this many); 1 = off")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="slice the model over N ranks, one process each (Llama family, Qwen2; "
-                        "float weights)")
+                   help="slice the model over N ranks, one process each (Llama family, Qwen2, "
+                        "Gemma 3; float weights or a GGUF file's own blocks)")
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                    help="where tensor-parallel workers and data-parallel replicas run: local "
                         "processes, or Ray actors (a local Ray, or the cluster at RAY_ADDRESS)")

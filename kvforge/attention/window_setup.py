@@ -13,8 +13,8 @@
 KV blocks are freed only when every layer is windowed (a full-attention layer still reads the
 whole context). Freed blocks break prefix sharing, so the prefix cache is then off.
 Combinations that would read a freed block or a wrong window are refused with a ValueError:
-another attention backend (fp8 KV cache, tiled, QUEST), speculative decoding, swap preemption,
-and model families without rotary Llama-style attention.
+another cache layout (tiled, QUEST; an fp8 KV cache is fine), speculative decoding, swap
+preemption, and model families without rotary Llama-style attention.
 """
 from __future__ import annotations
 
@@ -70,10 +70,11 @@ def validate_window_args(config: "EngineConfig") -> None:
 
 
 def _check_compatible(config: "EngineConfig", what: str) -> None:
-    if config.attention_backend != "paged":
-        raise ValueError(f"{what} runs on the paged KV layout; it cannot be combined with "
-                         f"attention_backend={config.attention_backend!r} (sparse_attention="
-                         f"{config.sparse_attention!r}, kv_cache_dtype={config.kv_cache_dtype!r})")
+    if config.attention_backend != "paged" and not config.attention_backend.startswith(
+            "paged_fp8_"):
+        raise ValueError(f"{what} runs on the paged KV layout (fp32 or fp8 K/V); it cannot be "
+                         f"combined with attention_backend={config.attention_backend!r} "
+                         f"(sparse_attention={config.sparse_attention!r})")
     if config.speculative_method not in (None, "none"):
         raise ValueError(f"{what} cannot be combined with speculative decoding "
                          f"(speculative_method={config.speculative_method!r})")
@@ -154,11 +155,12 @@ def log_prefix_caching(plan: WindowPlan | None, requested: bool) -> bool:
 def configure_attention_window(model: "torch.nn.Module",
                                config: "EngineConfig") -> WindowPlan | None:
     """Give every attention layer of a loaded model its window (ModelRunner, after loading):
-    each layer's ``paged`` backend becomes a ``WindowedAttentionBackend`` with its layer's
+    each layer's ``paged`` backend becomes a ``WindowedAttentionBackend`` (over the same fp32 or
+    fp8 storage) with its layer's
     window and the model's RoPE frequencies; StreamingLLM also makes the rotary table serve
     positions past the context."""
     from kvforge.attention.paged import PagedAttentionBackend
-    from kvforge.attention.windowed import WindowedAttentionBackend
+    from kvforge.attention.windowed import windowed_backend_cls
     from kvforge.layers.rotary import compute_inv_freq
     from kvforge.layers.rotary_unbounded import UnboundedRotaryEmbedding
 
@@ -180,8 +182,10 @@ def configure_attention_window(model: "torch.nn.Module",
     device = next(model.parameters()).device
     for module, window in zip(attentions, plan.layers):
         old = module.attn
-        backend = WindowedAttentionBackend(old.num_heads, old.num_kv_heads, old.head_size,
-                                           old.scale, old.head_size_v)
+        # the same K/V storage (fp32 or fp8); an fp8 backend's scale has its k_scale folded in
+        backend = windowed_backend_cls(old.name)(
+            old.num_heads, old.num_kv_heads, old.head_size,
+            old.scale / getattr(old, "k_scale", 1.0), old.head_size_v)
         backend.window, backend.rope_inv_freq = window, inv_freq.to(device)
         module.attn = backend
     if plan.from_flags and not isinstance(rotary, UnboundedRotaryEmbedding):

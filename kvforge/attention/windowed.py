@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvforge.attention.base import register_backend
+from kvforge.attention.base import get_backend_cls, register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import _SDPA_HAS_GQA, PagedAttentionBackend, write_kv_cache
 from kvforge.attention.window import AttentionWindow
@@ -254,3 +254,14 @@ class WindowedAttentionBackend(PagedAttentionBackend):
             queries, keys, values, attn_mask=mask, scale=self.scale,
             **({"enable_gqa": True} if group > 1 and _SDPA_HAS_GQA else {}))  # [n, H, Q, Dv]
         out[g.rows] = attn.transpose(1, 2).reshape(n * q_len, self.num_heads, -1)
+
+
+def windowed_backend_cls(backend: str) -> type[WindowedAttentionBackend]:
+    """The windowed backend that stores K/V as ``backend`` does: "paged" (fp32) or
+    "paged_fp8_*" (``quant/fp8_kv.py``); ValueError for another cache layout (tiled, QUEST)."""
+    if backend == "paged":
+        return WindowedAttentionBackend
+    if backend.startswith("paged_fp8_"):
+        return get_backend_cls("windowed_" + backend[len("paged_"):])
+    raise ValueError(f"sliding-window attention runs on the paged KV layout (fp32 or fp8 "
+                     f"K/V); attention_backend={backend!r} is not supported")

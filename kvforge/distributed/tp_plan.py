@@ -1,4 +1,4 @@
-"""Which slice of a Llama-family model one tensor-parallel rank holds (Megatron layout).
+"""Which slice of a Llama-family or Gemma 3 model one tensor-parallel rank holds (Megatron layout).
 
     q|k|v, gate|up   column-parallel: rank r holds its heads' / its intermediate rows
     o, down          row-parallel: the matching input columns; partial sums all-reduced
@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 from kvforge.models.config import ModelConfig
 
-# families whose layers are LlamaForCausalLM's (models/registry.py names)
+# families with Llama's projections (q|k|v, o, gate|up, down; models/registry.py names).
+# Gemma 3's extra parts stay whole on every rank: its per-head q/k norms act on a rank's own
+# heads, its post-attention / post-FFN norms and the embedding scale act on the all-reduced
+# hidden state, the logit soft-cap on the gathered logits
 TP_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                              "llama", "mistral", "qwen2"})
+                              "Gemma3ForCausalLM", "llama", "mistral", "qwen2", "gemma3"})
 
 
 def even_range(n: int, parts: int, i: int) -> range:
@@ -89,7 +92,7 @@ def check_tensor_parallel_model(config: ModelConfig, world_size: int,
                                 intermediate_unit: int = 1) -> None:
     """ValueError naming what does not split ``world_size`` ways."""
     if config.architecture not in TP_ARCHITECTURES:
-        raise ValueError(f"tensor parallel supports the Llama family and Qwen2 "
+        raise ValueError(f"tensor parallel supports the Llama family, Qwen2 and Gemma 3 "
                          f"({', '.join(sorted(TP_ARCHITECTURES))}); {config.architecture!r} "
                          f"is not supported yet: use tensor_parallel_size=1")
     heads, kv = config.num_attention_heads, config.num_key_value_heads

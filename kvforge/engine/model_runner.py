@@ -17,6 +17,7 @@ from kvforge.engine.decode_steps import run_decode_steps
 from kvforge.engine.request import Request
 from kvforge.kernels.decode_stack import MAX_QUERY_LEN
 from kvforge.kernels.huge_pages import huge_page_zeros
+from kvforge.kernels.ops import KERNEL_KV_DTYPES
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
 from kvforge.quant.loading import load_model
@@ -117,9 +118,9 @@ class ModelRunner:
     @property
     def supports_decode_steps(self) -> bool:
         """Whether the model has multi-step decoding (engine/decode_steps.py) over this cache
-        (the compiled stack reads an fp32 paged cache; an fp8 one decodes a step at a time)."""
+        (the compiled stack reads fp32 or fp8 paged caches)."""
         return (hasattr(self.model, "can_decode_steps")
-                and self.kv_caches[0].dtype == torch.float32)
+                and self.kv_caches[0].dtype in KERNEL_KV_DTYPES)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -267,7 +268,7 @@ class ModelRunner:
         if self._stack_limit is _UNSET:
             stack = self.model.decode_stack() if hasattr(self.model, "decode_stack") else None
             self._stack_limit = (MAX_QUERY_LEN if stack is not None
-                                 and self.kv_caches[0].dtype == torch.float32 else None)
+                                 and self.kv_caches[0].dtype in KERNEL_KV_DTYPES else None)
         return self._stack_limit
 
     def _sampling_batch(self, requests: list[Request], vocab_size: int) -> SamplingBatch:

@@ -4,9 +4,11 @@ Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (pa
 kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
 too), GGUF blocks (``quant/gguf.py``: the stack runs their kernels itself) or other quantized
 ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
-without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend``
-(not QUEST, windows or an fp8 cache) and a contiguous fp32 KV cache. Anything else returns None
-and the model runs its Python layers, which remain the reference (tests compare the two).
+without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend`` (not QUEST or
+StreamingLLM windows; Gemma 3's local layers: their plain window) over a contiguous KV cache of
+fp32 or fp8 K/V (``quant/fp8_kv.py`` with unit scales: the stack rounds the new K/V to fp8 as
+the Python backends' cast does). Anything else returns None and the model runs its Python
+layers, which remain the reference (tests compare the two).
 """
 from __future__ import annotations
 
@@ -31,6 +33,21 @@ def _stack_mlp_and_projections_ok(layer, activations: tuple[str, ...]) -> bool:
     return not any(type(p.method) is UnquantizedLinearMethod
                    and (p.weight.dtype != torch.float32 or not p.weight.is_contiguous())
                    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+def _stack_attention_ok(backend, windowed: bool) -> bool:
+    """``backend`` is plain paged attention (``windowed``: a windowed one, whose window the
+    caller checks) over fp32 K/V, or the same over fp8 K/V with unit scales."""
+    from kvforge.attention.paged import PagedAttentionBackend
+    from kvforge.attention.windowed import WindowedAttentionBackend
+    from kvforge.quant import fp8_kv
+    allowed = ((WindowedAttentionBackend, fp8_kv.WindowedFP8E4M3Backend,
+                fp8_kv.WindowedFP8E5M2Backend) if windowed else
+               (PagedAttentionBackend, fp8_kv.PagedFP8E4M3Backend, fp8_kv.PagedFP8E5M2Backend))
+    if type(backend) not in allowed:
+        return False
+    return not isinstance(backend, fp8_kv.FP8KVCache) or (backend.k_scale == backend.v_scale
+                                                         == 1.0)
 
 
 def _stack_projections(model) -> list[tuple]:
@@ -61,8 +78,6 @@ def _stack_projections(model) -> list[tuple]:
 
 def build_llama_decode_stack(model):
     """A ``DecodeStack`` over ``model``'s own weight tensors, or None when not eligible."""
-    from kvforge.attention.paged import PagedAttentionBackend
-
     ops = cpu_kernels()
     if ops is None or model.dtype != torch.float32:
         return None
@@ -72,7 +87,7 @@ def build_llama_decode_stack(model):
         return None
     norm_eps = None
     for layer in inner.layers:
-        if (type(layer.self_attn.attn) is not PagedAttentionBackend
+        if (not _stack_attention_ok(layer.self_attn.attn, windowed=False)
                 or not _stack_mlp_and_projections_ok(layer, ("silu", "swish"))):
             return None
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, inner.norm.eps}
@@ -96,8 +111,6 @@ def build_gemma3_decode_stack(model):
     bias, one norm epsilon) plus the paged backends (sliding layers: a plain window, no sinks),
     full-width rotation and the gelu-tanh gate. Gemma's norms scale by 1 + w: the stack gets
     that sum, computed in fp32 as the Python layers do."""
-    from kvforge.attention.paged import PagedAttentionBackend
-    from kvforge.attention.windowed import WindowedAttentionBackend
     from kvforge.models.gemma3 import SLIDING
 
     ops = cpu_kernels()
@@ -114,11 +127,11 @@ def build_gemma3_decode_stack(model):
         backend = attn.attn
         if layer.layer_type == SLIDING:
             w = getattr(backend, "window", None)
-            if (type(backend) is not WindowedAttentionBackend or w is None or w.sinks != 0
+            if (not _stack_attention_ok(backend, windowed=True) or w is None or w.sinks != 0
                     or (window and w.window != window)):
                 return None
             window = w.window
-        elif type(backend) is not PagedAttentionBackend:
+        elif not _stack_attention_ok(backend, windowed=False):
             return None
         if not _stack_mlp_and_projections_ok(layer, ("gelu_pytorch_tanh", "gelu_new")):
             return None

@@ -17,6 +17,10 @@ from kvforge.kernels.tune import tuned_kernel_rows
 _FP32 = torch.float32
 
 
+# the K/V element types the compiled decode attention and decode stack read
+KERNEL_KV_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _kernel_for(*tensors: torch.Tensor):
     # called per layer per step: plain attribute checks only (no device objects, no generators)
     for t in tensors:
@@ -83,10 +87,12 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, window: int = 0) -> torch.Tensor | None:
     """One query per sequence attending over its paged context (``window`` > 0: over its last
-    ``window`` keys, a sliding window); None when the kernel does not apply (the caller then
-    runs its gather + SDPA path)."""
-    ops = _kernel_for(q, key_cache, value_cache)
-    if (ops is None or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2] or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
+    ``window`` keys, a sliding window); fp32 q, fp32 or fp8 caches (``quant/fp8_kv.py``, read
+    as their exact float values); None when the kernel does not apply (the caller then runs
+    its gather + SDPA path)."""
+    ops = _kernel_for(q)
+    if (ops is None or key_cache.dtype not in KERNEL_KV_DTYPES or not key_cache.is_cpu
+            or value_cache.dtype is not key_cache.dtype or not value_cache.is_cpu or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2] or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
             or block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64
             or block_tables.stride(1) != 1 or not seq_lens.is_contiguous()):
         return None

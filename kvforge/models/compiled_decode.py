@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvforge.kernels.decode_stack import kernel_weight, run_decode_stack, stack_handles_step
+from kvforge.kernels.ops import KERNEL_KV_DTYPES
 from kvforge.layers.linear import Linear, PackedLinearMethod, PackedRowsEmbedding, place_linears
 
 
@@ -49,7 +50,7 @@ class CompiledDecodeMixin:
         its Python layers, which remain the reference)."""
         if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
             stack = self.decode_stack()
-            if stack is not None and kv_caches[0].dtype == torch.float32:
+            if stack is not None and kv_caches[0].dtype in KERNEL_KV_DTYPES:
                 return run_decode_stack(stack, self, input_ids, positions, kv_caches, meta)
         return None
 

@@ -34,7 +34,7 @@ from torch import nn
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.window import AttentionWindow
-from kvforge.attention.windowed import WindowedAttentionBackend
+from kvforge.attention.windowed import windowed_backend_cls
 from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import OffsetRMSNorm
@@ -129,11 +129,11 @@ class Gemma3Attention(nn.Module):
         if layer_type == SLIDING:
             # a layer-local window over the full paged cache (HF: key k is visible to query p
             # iff p - W < k <= p)
-            if attn_backend != "paged":
-                raise ValueError(f"Gemma 3's sliding-window layers run on the paged KV layout; "
-                                 f"attention_backend={attn_backend!r} is not supported")
-            self.attn = WindowedAttentionBackend(self.num_heads, self.num_kv_heads,
-                                                 self.head_dim, scale=scale)
+            try:
+                windowed = windowed_backend_cls(attn_backend)     # fp32 or fp8 K/V
+            except ValueError as e:
+                raise ValueError(f"Gemma 3's sliding-window layers: {e}") from None
+            self.attn = windowed(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale)
             self.attn.window = AttentionWindow(0, options.sliding_window, "true")
         else:
             self.attn = get_backend_cls(attn_backend)(self.num_heads, self.num_kv_heads,

@@ -1,4 +1,6 @@
-"""FP8 KV cache: paged K/V stored in 8 bits (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``).
+"""FP8 KV cache: paged K/V stored in 8 bits (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``), for the
+full-attention layers (``paged_fp8_*``) and the sliding-window ones (``windowed_fp8_*``: Gemma 3's
+local layers, model windows, StreamingLLM).
 
 Scale choice: ONE static scale per tensor (K and V of every layer), ``k_scale = v_scale = 1.0``
 by default, as vLLM does without calibrated scales. Stored value = fp8(clamp(x / scale)). Why
@@ -25,6 +27,7 @@ import torch
 from kvforge.attention.base import register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import PagedAttentionBackend
+from kvforge.attention.windowed import WindowedAttentionBackend
 
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -50,8 +53,11 @@ def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Ten
     return (x.float() / scale).clamp_(-limit, limit).to(dtype)
 
 
-class PagedFP8AttentionBackend(PagedAttentionBackend):
-    """Paged attention over an fp8 cache; subclasses fix ``cache_torch_dtype``."""
+class FP8KVCache:
+    """What makes a paged-layout backend store fp8 K/V: mixed in before ``PagedAttentionBackend``
+    or ``WindowedAttentionBackend`` (their gathers read the cache back with ``.to(q.dtype)``;
+    the compiled decode attention and decode stack read the fp8 blocks themselves,
+    ``kernels/csrc/kv_fp8.cpp``); subclasses fix ``cache_torch_dtype``."""
 
     cache_torch_dtype: torch.dtype
     k_scale: float = 1.0
@@ -77,11 +83,32 @@ class PagedFP8AttentionBackend(PagedAttentionBackend):
         return out.mul_(self.v_scale) if self.v_scale != 1.0 else out
 
 
-@register_backend("paged_fp8_e4m3")
-class PagedFP8E4M3Backend(PagedFP8AttentionBackend):
+class _E4M3:
     cache_torch_dtype = torch.float8_e4m3fn
 
 
-@register_backend("paged_fp8_e5m2")
-class PagedFP8E5M2Backend(PagedFP8AttentionBackend):
+class _E5M2:
     cache_torch_dtype = torch.float8_e5m2
+
+
+@register_backend("paged_fp8_e4m3")
+class PagedFP8E4M3Backend(_E4M3, FP8KVCache, PagedAttentionBackend):
+    pass
+
+
+@register_backend("paged_fp8_e5m2")
+class PagedFP8E5M2Backend(_E5M2, FP8KVCache, PagedAttentionBackend):
+    pass
+
+
+# the sliding-window backend over the same storage (Gemma 3's local layers, Mistral-style
+# model windows, StreamingLLM): the window's gathers and masks are the parent's
+@register_backend("windowed_fp8_e4m3")
+class WindowedFP8E4M3Backend(_E4M3, FP8KVCache, WindowedAttentionBackend):
+    pass
+
+
+@register_backend("windowed_fp8_e5m2")
+class WindowedFP8E5M2Backend(_E5M2, FP8KVCache, WindowedAttentionBackend):
+    pass
+

@@ -382,3 +382,15 @@ def test_hardware_line_names_caches_and_kernel_isa(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFORGE_KERNELS", "1")
     monkeypatch.setenv("KVFORGE_ISA", "native")
     assert "kernels native (KVFORGE_ISA=native" in hardware.hardware_line()
+
+
+def test_kv_fp8_quality_compares_up_to_the_first_differing_token():
+    from types import SimpleNamespace
+    from benchmarks.kv_fp8 import _quality
+    ref = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[{5: -0.5}, {6: -1.0}, {7: -2.0}])
+    same = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[{5: -0.6}, {6: -1.2}, {7: -2.0}])
+    assert _quality(same, ref) == ("yes", f"{(0.1 + 0.2 + 0.0) / 3:.4f}")
+    flipped = SimpleNamespace(token_ids=[5, 9, 7], logprobs=[{5: -0.7}, {9: -0.9}, {7: -2.0}])
+    assert _quality(flipped, ref) == ("to token 1", "0.2000")
+    first = SimpleNamespace(token_ids=[8, 6, 7], logprobs=[{8: -0.1}, {6: -1.0}, {7: -2.0}])
+    assert _quality(first, ref) == ("to token 0", "-")

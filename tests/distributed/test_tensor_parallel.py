@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ENGINE = dict(block_size=4, num_kv_blocks=96, max_num_batched_tokens=16, num_threads=1)
 
 
-def _tokens(llm: LLM, params=GREEDY) -> list[list[list[int]]]:
-    outs = llm.generate(PROMPTS, [params, SamplingParams(**{**_kw(params), "n": 2}), params],
+def _tokens(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[list[int]]]:
+    outs = llm.generate(prompts, [params, SamplingParams(**{**_kw(params), "n": 2}), params],
                         use_tqdm=False)
     return [[c.token_ids for c in o.outputs] for o in outs]
 
@@ -30,11 +30,11 @@ def _kw(params: SamplingParams) -> dict:
                 ignore_eos=params.ignore_eos)
 
 
-def _check_tp_matches(path: str, backend: str = "mp", **kw) -> LLM:
-    reference = _tokens(LLM(path, **ENGINE, **kw))
+def _check_tp_matches(path: str, backend: str = "mp", prompts=PROMPTS, **kw) -> LLM:
+    reference = _tokens(LLM(path, **ENGINE, **kw), prompts=prompts)
     llm = LLM(path, **ENGINE, tensor_parallel_size=2, distributed_executor_backend=backend, **kw)
     try:
-        assert _tokens(llm) == reference
+        assert _tokens(llm, prompts=prompts) == reference
         llm.engine.check_integrity()
         assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
     finally:
@@ -202,3 +202,18 @@ def test_a_failed_start_leaves_no_shared_memory_file(tiny_model_factory, monkeyp
     with pytest.raises(RuntimeError, match="no workers today"):
         LLM(path, **ENGINE, tensor_parallel_size=2)
     assert set(glob.glob("/dev/shm/kvforge-tp-*")) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_tp2_gemma3_equals_tp1(tmp_path_factory, fmt):
+    """Gemma 3 (tiny, random, a GGUF in its own blocks and an HF directory): its one KV head is
+    replicated on both ranks, its per-head q/k norms run on each rank's heads, its
+    post-attention / post-FFN norms, embedding scale and sliding-window layers on every rank;
+    TP=2 gives TP=1's tokens, the prompts running past the window of 8."""
+    from tests.models.test_gemma3 import gemma_files_in, gguf_shaped_hf
+    hf = gguf_shaped_hf(num_attention_heads=4, num_key_value_heads=1, sliding_window=8)
+    path, hf_dir = gemma_files_in(tmp_path_factory.mktemp("gemma3_tp"), hf)
+    vocab = hf.config.vocab_size
+    _check_tp_matches(path if fmt == "gguf" else hf_dir,
+                      prompts=[[t % vocab for t in p] for p in PROMPTS])

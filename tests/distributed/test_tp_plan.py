@@ -65,7 +65,7 @@ def test_mlp_cut_on_block_boundaries():
 
 
 @pytest.mark.parametrize("config, n, match", [
-    (_config(4, 4, arch="Gemma3ForCausalLM"), 2, "Gemma3ForCausalLM"),
+    (_config(4, 4, arch="GPT2LMHeadModel"), 2, "GPT2LMHeadModel"),
     (_config(6, 2), 3, "does not split the model's 2 KV heads"),
     (_config(4, 2, intermediate=1), 2, "intermediate_size 1"),
 ])

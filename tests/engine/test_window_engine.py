@@ -169,6 +169,40 @@ def test_streaming_output_does_not_depend_on_chunks_batching_forks_or_preemption
     assert llm.engine.num_free_blocks == 64
 
 
+# ------------------------------------------------------------------ fp8 K/V under windows
+@pytest.mark.parametrize("kind", ["native", "streaming"])
+def test_windows_over_an_fp8_cache_do_not_depend_on_the_schedule(mistral_window, short_context,
+                                                                 kind):
+    """A model's own window (Mistral) and StreamingLLM over 8-bit K/V: every layer windowed
+    over fp8 storage, blocks freed as in fp32, and the same tokens whether prompts run whole,
+    in chunks of 8 or through preemption (new K/V are rounded before attention)."""
+    from kvforge.quant.fp8_kv import FP8KVCache
+    if kind == "native":
+        path, prompts = mistral_window[0], mistral_window[1]
+        make = lambda **kw: LLM(path, block_size=BLOCK, kv_cache_dtype="fp8_e4m3",  # noqa: E731
+                                **{"num_kv_blocks": 128, **kw})
+    else:
+        path, prompts = short_context, random_prompts(3, lengths=(100, 7, 70))
+        make = lambda **kw: streaming_llm(path, kv_cache_dtype="fp8_e4m3", **kw)   # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = make()
+    assert all(isinstance(b, WindowedAttentionBackend) and isinstance(b, FP8KVCache)
+               for b in backends(llm))
+    assert llm.engine.kv_manager.window is not None
+    expected, most_held, _ = run_and_watch(llm, prompts, params)
+    assert most_held <= llm.engine.kv_manager.window.max_live_blocks(
+        BLOCK, llm.engine.scheduler.config.max_num_batched_tokens)
+    chunked, _, _ = run_and_watch(make(max_num_batched_tokens=8, max_num_seqs=2), prompts,
+                                  params)
+    assert chunked == expected
+    small = make(num_kv_blocks=8 if kind == "native" else 14, max_num_batched_tokens=8)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "pool meant to preempt"
+    small.engine.check_integrity()
+    assert small.engine.num_free_blocks == small.engine.runner.num_blocks
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("kwargs, match", [
     (dict(attention_sinks=-1, sliding_window=16), "attention_sinks must be an integer >= 0"),
@@ -176,7 +210,6 @@ def test_streaming_output_does_not_depend_on_chunks_batching_forks_or_preemption
     (dict(sliding_window=8, block_size=16), "smaller than one KV block"),
     (dict(attention_sinks=4), "needs a sliding_window"),
     (dict(sliding_window=64, sparse_attention="quest"), "cannot be combined"),
-    (dict(sliding_window=64, kv_cache_dtype="fp8_e4m3"), "cannot be combined"),
     (dict(sliding_window=64, speculative_method="ngram"), "speculative decoding"),
     (dict(sliding_window=64, preemption_mode="swap"), "preemption_mode='swap'"),
 ])

@@ -109,3 +109,16 @@ def test_engine_without_trained_heads_says_so(tiny_model_factory):
     path, _ = tiny_model_factory("llama", num_hidden_layers=2)
     with pytest.raises(FileNotFoundError, match="train-exit-heads"):
         LLM(path, block_size=4, num_kv_blocks=16, early_exit_threshold=0.9)
+
+
+@pytest.mark.parametrize("method", ["lossy", "early-exit"])
+def test_model_without_a_llama_stack_is_refused_before_looking_for_heads(tmp_path, method):
+    """Gemma 3 (its own layers, norms and embedding scale): no heads can be trained for it, so
+    the engine says that rather than asking for `kvforge train-exit-heads`."""
+    from tests.models.test_gemma3 import gemma_files_in, gguf_shaped_hf
+    path, _ = gemma_files_in(tmp_path, gguf_shaped_hf())
+    kw = (dict(early_exit_threshold=0.9) if method == "lossy"
+          else dict(speculative_method="early-exit"))
+    with pytest.raises(ValueError, match="early exit needs a Llama-family decoder stack, got "
+                                         "Gemma3ForCausalLM"):
+        LLM(path, block_size=4, num_kv_blocks=16, **kw)

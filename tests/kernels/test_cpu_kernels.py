@@ -617,6 +617,70 @@ def test_stack_calls_back_quantized_projections(compiled, tiny_model_factory, mo
     _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-3)
 
 
+# ------------------------------------------------------------------ fp8 K/V (quant/fp8_kv.py)
+FP8_KV = [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,limit", FP8_KV, ids=["e4m3", "e5m2"])
+def test_store_kv_rounds_as_torch_casts(compiled, dtype, limit):
+    """The stack's K/V writes give the byte the Python backends write (clamp, then torch's
+    cast): random floats over 8 decades, every fp8 value and every midpoint between two
+    (ties to even), subnormals, zeros of both signs, the range's edges and beyond."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[values.isfinite()].unique()
+    x = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-5, 1e-2, 1, 100, 1e4)]
+                  + [values, (values[1:] + values[:-1]) / 2,
+                     torch.tensor([0.0, -0.0, 1e-30, -1e-30, limit, -limit, 1e9, -1e9])])
+    out = torch.empty(x.shape, dtype=dtype)
+    compiled.store_kv(out, x)
+    expected = x.clamp(-limit, limit).to(dtype)
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    fp32 = torch.empty_like(x)
+    compiled.store_kv(fp32, x)
+    assert torch.equal(fp32, x)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [d for d, _ in FP8_KV], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_paged_decode_attention_reads_fp8_as_its_float_values(compiled, dtype, window):
+    """Over fp8 caches the kernel computes what it computes over the same values in fp32, bit
+    for bit (each block's rows converted exactly, then the fp32 loops): rows of 1 to 300 keys,
+    chunks past 256, with and without a window."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block, kv_heads, dim, heads = 48, 16, 3, 64, 9
+    key_cache = (torch.randn(num_blocks, block, kv_heads, dim, generator=g) * 3).to(dtype)
+    value_cache = (torch.randn(num_blocks, block, kv_heads, dim, generator=g) * 3).to(dtype)
+    q = torch.randn(4, heads, dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:40].view(4, 10)
+    tables = torch.cat([tables, torch.randperm(num_blocks, generator=g)[:32].view(4, 8)], 1)
+    lens = torch.tensor([1, 17, 160, 288])
+    out = compiled.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, window)
+    ref = compiled.paged_decode_attention(q, key_cache.float(), value_cache.float(), tables,
+                                          lens, 0.125, window)
+    assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        compiled.paged_decode_attention(q, key_cache, value_cache.float(), tables, lens, 0.125)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_decode_stack_matches_python_layers(compiled, tiny_model_factory, monkeypatch,
+                                                   kv_dtype):
+    """With an fp8 KV cache the stack runs the decode steps, several a call (its writes
+    rounded as the Python backends round, its attention reading the fp8 blocks): the tokens
+    and logprobs of the Python layers, one step at a time, over the same cache."""
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory("llama")
+    llm = LLM(hf_dir, num_kv_blocks=64, block_size=4, kv_cache_dtype=kv_dtype)
+    assert all(c.dtype != torch.float32 for c in llm.engine.runner.kv_caches)
+    assert llm.engine.runner.supports_decode_steps
+    prompts = [[5, 17, 300, 42], [7] * 19, list(range(100, 140))]
+    _check_on_equals_off(llm, prompts, monkeypatch, atol=1e-4)
+
+
 def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
     from kvforge.engine.llm import LLM
     from kvforge.kernels.decode_stack import build_llama_decode_stack

@@ -147,19 +147,25 @@ def gguf_shaped_hf(**overrides) -> tf.Gemma3ForCausalLM:
                       **overrides})
 
 
-@pytest.fixture(scope="module")
-def gemma_files(tmp_path_factory):
-    """(HF model, its GGUF, an HF directory of it with the GGUF's tokenizer)."""
+def gemma_files_in(d, hf: tf.Gemma3ForCausalLM) -> tuple[str, str]:
+    """``hf`` written into directory ``d`` as a GGUF and as an HF directory with the GGUF's
+    tokenizer: (GGUF path, HF directory)."""
     from kvforge.tokenizer import Tokenizer
     from tests.loader.gguf_factory import sentencepiece_tokenizer, write_hf_model_gguf
-    d = tmp_path_factory.mktemp("gemma3")
-    hf = gguf_shaped_hf()
     path = str(d / "tiny-gemma3.gguf")
     write_hf_model_gguf(path, hf, "gemma3", tokenizer=sentencepiece_tokenizer(GEMMA_TEMPLATE))
     hf_dir = d / "hf"
     hf.save_pretrained(hf_dir)
     Tokenizer.from_gguf(path).hf_tokenizer.save_pretrained(hf_dir)
-    return hf, path, str(hf_dir)
+    return path, str(hf_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma_files(tmp_path_factory):
+    """(HF model, its GGUF, an HF directory of it with the GGUF's tokenizer)."""
+    hf = gguf_shaped_hf()
+    path, hf_dir = gemma_files_in(tmp_path_factory.mktemp("gemma3"), hf)
+    return hf, path, hf_dir
 
 
 GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
@@ -289,3 +295,44 @@ def test_gguf_tokenizer_and_chat_template(gemma_files):
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
     assert set(tok.eos_token_ids) == {1, 5}          # <eos>, <end_of_turn>
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_on_both_layer_kinds(gemma_files, kv_dtype):
+    """``--kv-cache-dtype fp8_*``: the local layers keep their window of 8 over fp8 storage, the
+    global ones read fp8 too (a quarter of fp32's bytes), decodes in the compiled stack. Greedy
+    tokens do not depend on the schedule (whole prompts vs chunks of 5) or on the stack (the
+    Python layers over the same cache), and follow the fp32 cache's until a near tie (both
+    tokens in the other run's top 5)."""
+    from kvforge import LLM, SamplingParams
+    from kvforge import kernels
+    from kvforge.attention.paged import PagedAttentionBackend
+    from kvforge.quant.fp8_kv import KV_CACHE_DTYPES, FP8KVCache
+    from tests.quant.test_fp8_kv import assert_tokens_follow_until_a_near_tie
+    _, path, _ = gemma_files
+    prompts = [[5, 9, 90, 17] * 5, [40] * 13, list(range(3, 60, 2))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def run(llm=None, **kw):
+        llm = llm or LLM(path, block_size=4, num_kv_blocks=96, **kw)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.check_integrity()
+        assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+        return llm, outs
+
+    llm, fp8 = run(kv_cache_dtype=kv_dtype)
+    model = llm.engine.runner.model
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    assert all(isinstance(a, FP8KVCache) for a in attns)
+    assert [isinstance(a, WindowedAttentionBackend) for a in attns] == \
+        [t == S for t in model.options.layer_types]
+    assert all(isinstance(a, PagedAttentionBackend) for a in attns)
+    assert all(c.dtype == KV_CACHE_DTYPES[kv_dtype] for c in llm.engine.runner.kv_caches)
+    assert model.decode_stack() is not None or kernels.cpu_kernels() is None
+    _, chunked = run(kv_cache_dtype=kv_dtype, max_num_batched_tokens=5, max_num_seqs=2)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in fp8]
+    model._decode_stack = None                           # the Python layers from here on
+    _, python_layers = run(llm)
+    assert [o.token_ids for o in python_layers] == [o.token_ids for o in fp8]
+    _, ref = run()
+    assert_tokens_follow_until_a_near_tie(fp8, ref)

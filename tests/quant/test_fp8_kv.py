@@ -6,6 +6,9 @@ import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.attention.base import get_backend_cls
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.window import AttentionWindow
+from kvforge.attention.windowed import windowed_backend_cls
 from kvforge.config import EngineConfig
 from kvforge.quant.fp8_kv import KV_CACHE_DTYPES, quantize_fp8
 from kvforge.attention.reference import dense_causal_attention
@@ -90,8 +93,14 @@ def test_greedy_tokens_follow_fp32_until_a_near_tie(tiny_path):
     equal tokens (on this random model a prompt can flip at its first token)."""
     _, ref = _generate(tiny_path, num_kv_blocks=64)
     _, fp8 = _generate(tiny_path, num_kv_blocks=64, kv_cache_dtype="fp8_e4m3")
+    assert_tokens_follow_until_a_near_tie(fp8, ref)
+
+
+def assert_tokens_follow_until_a_near_tie(outputs, references) -> None:
+    """Each output's greedy tokens equal its reference's up to the first difference, where both
+    tokens are in the other's logprobs (top-k); at least one token agrees in all."""
     agreed = 0
-    for a, b in zip(fp8, ref):
+    for a, b in zip(outputs, references):
         for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
             if ta != tb:
                 assert ta in b.logprobs[i] and tb in a.logprobs[i], (i, a.token_ids, b.token_ids)
@@ -108,3 +117,32 @@ def test_fp8_greedy_independent_of_chunking(tiny_path):
     _, chunked = _generate(tiny_path, num_kv_blocks=64, kv_cache_dtype="fp8_e4m3",
                            max_num_batched_tokens=5, max_num_seqs=2)
     assert [o.token_ids for o in whole] == [o.token_ids for o in chunked]
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_CACHE_DTYPES))
+@pytest.mark.parametrize("w", [AttentionWindow(0, 6, "true"), AttentionWindow(3, 5)], ids=str)
+def test_windowed_backend_reads_fp8_as_the_fp32_one_reads_rounded_kv(kv_dtype, w):
+    """The sliding-window backend over an fp8 cache (Gemma 3's local layers, model windows,
+    StreamingLLM with its sink shift) = the fp32 windowed backend given the same K/V rounded
+    to fp8: decodes at and past the window, prefill chunks across it; dead blocks freed."""
+    from tests.attention.test_window import B, D, H, KVH, _make_case
+    dtype = KV_CACHE_DTYPES[kv_dtype]
+    query_lens, context_lens = [1, 1, 1, 9, 13], [2, 11, 40, 0, 30]
+    _, tables, cache, q, k, v, inv_freq = _make_case(w, query_lens, context_lens, True)
+    rounded = lambda t: t.to(dtype).float()                         # noqa: E731
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, B)
+    fp8 = windowed_backend_cls(f"paged_{kv_dtype}")(H, KVH, D, D ** -0.5)
+    fp32 = windowed_backend_cls("paged")(H, KVH, D, D ** -0.5)
+    assert fp8.name == f"windowed_{kv_dtype}" and fp8.cache_dtype(torch.float32) == dtype
+    for backend in (fp8, fp32):
+        backend.window, backend.rope_inv_freq, backend.query_tile = w, inv_freq.float(), 4
+    # the fp8 backend rounds the new K/V itself; the fp32 one is handed them rounded
+    outs = [fp8.forward(q.float(), k.float(), v.float(), cache.to(dtype), meta),
+            fp32.forward(q.float(), rounded(k), rounded(v), rounded(cache), meta)]
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_backend_refuses_other_cache_layouts():
+    with pytest.raises(ValueError, match="attention_backend='quest'"):
+        windowed_backend_cls("quest")

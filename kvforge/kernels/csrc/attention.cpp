@@ -8,7 +8,8 @@
 //     scores[h][j] = scale * q[s, h] . K[j, h / group]      j < seq_lens[s]
 //     out[s, h] = softmax_j(scores[h]) @ V[:, h / group]
 //
-//   computed per chunk of keys (tasks run in parallel), then merged per sequence.
+//   computed per chunk of keys (tasks run in parallel), then merged per sequence. K / V planes
+//   are fp32 or fp8 (quant/fp8_kv.py), the latter read through float copies of each block.
 #include "kernels.h"
 
 namespace kvforge {
@@ -28,11 +29,30 @@ using Partial = DecodeAttentionPlan::Partial;
 // Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
 // (adjacent in the token-major paged layout, B x dim runs apart in QUEST's head-major one).
 inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv0, int64_t kv1) {
-  const float* base = plane.data + block_id * plane.block_stride;
+  const int64_t bytes = plane.format == KVFormat::kF32 ? 4 : 1;     // per element
+  const char* base = static_cast<const char*>(plane.data) + block_id * plane.block_stride * bytes;
   for (int64_t t = 0; t < plane.block_size; ++t)
     for (int64_t h = kv0; h < kv1; ++h)
-      for (int64_t d = 0; d < plane.dim; d += 16)
-        __builtin_prefetch(base + t * plane.token_stride + h * plane.head_stride + d);
+      for (int64_t d = 0; d < plane.dim * bytes; d += 64)
+        __builtin_prefetch(base + (t * plane.token_stride + h * plane.head_stride) * bytes + d);
+}
+
+// Rows [t0, t0 + len) of one block of an fp8 plane, KV heads [kv0, kv1), as floats:
+//
+//   scratch [len][kv1 - kv0][dim]      token stride (kv1 - kv0) * dim, head stride dim
+//
+// The fp32 loops below then read them as they read an fp32 plane (the same order of sums:
+// a row's bits are those of the fp32 kernel over the same values).
+inline const float* fp8_rows(const PagedKV& plane, int64_t block_id, int64_t t0, int64_t len,
+                             int64_t kv0, int64_t kv1, std::vector<float>& scratch) {
+  const int64_t heads = kv1 - kv0, dim = plane.dim;
+  scratch.resize(static_cast<size_t>(len * heads * dim));
+  const uint8_t* base = static_cast<const uint8_t*>(plane.data) + block_id * plane.block_stride;
+  for (int64_t t = 0; t < len; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      fp8_to_float(base + (t0 + t) * plane.token_stride + (kv0 + h) * plane.head_stride,
+                   scratch.data() + (t * heads + h) * dim, dim, plane.format);
+  return scratch.data();
 }
 
 // 16 vectors -> one vector of their 16 horizontal sums (lane t = sum of v[t]), by a halving
@@ -149,6 +169,9 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
   part.sum.assign(h1 - h0, 0.f);
   part.acc.assign((h1 - h0) * dim_v, 0.f);
   scores.resize(static_cast<size_t>(block));
+  // an fp8 plane is read through per-block float copies of the task's KV heads (fp8_rows)
+  const bool fp8 = keys.format != KVFormat::kF32;
+  thread_local std::vector<float> key_rows, value_rows;
   for (int64_t b = j0 / block; b * block < j1; ++b) {
     if ((b + 1) * block < j1) {                   // the next block (blocks are scattered)
       prefetch_block(keys, table[b + 1], kv0, kv1);
@@ -156,18 +179,31 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
     }
     const int64_t t0 = std::max(j0, b * block) - b * block;
     const int64_t len = std::min(j1, (b + 1) * block) - b * block - t0;
-    const float* kb = keys.data + table[b] * keys.block_stride + t0 * keys.token_stride;
-    const float* vb = values.data + table[b] * values.block_stride + t0 * values.token_stride;
+    const float *kb, *vb;
+    int64_t k_token, k_head, v_token, v_head, kv_first;
+    if (fp8) {
+      kb = fp8_rows(keys, table[b], t0, len, kv0, kv1, key_rows);
+      vb = fp8_rows(values, table[b], t0, len, kv0, kv1, value_rows);
+      k_token = (kv1 - kv0) * dim, v_token = (kv1 - kv0) * dim_v, k_head = dim, v_head = dim_v;
+      kv_first = kv0;
+    } else {
+      kb = static_cast<const float*>(keys.data) + table[b] * keys.block_stride +
+           t0 * keys.token_stride;
+      vb = static_cast<const float*>(values.data) + table[b] * values.block_stride +
+           t0 * values.token_stride;
+      k_token = keys.token_stride, v_token = values.token_stride;
+      k_head = keys.head_stride, v_head = values.head_stride, kv_first = 0;
+    }
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t i = h - h0;                   // the head's place in the partial
-      const float* key = kb + (h / group) * keys.head_stride;
-      const float* val = vb + (h / group) * values.head_stride;
+      const float* key = kb + (h / group - kv_first) * k_head;
+      const float* val = vb + (h / group - kv_first) * v_head;
       const float* qh = q + h * q_head_stride;
       float* sc = scores.data();
       if (lanes && len == 16) {
-        scores_16(qh, key, keys.token_stride, dim, scale, sc);
+        scores_16(qh, key, k_token, dim, scale, sc);
       } else {
-        for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qh, key + t * keys.token_stride, dim);
+        for (int64_t t = 0; t < len; ++t) sc[t] = scale * dot(qh, key + t * k_token, dim);
       }
       float mx = part.max[i];
       for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
@@ -181,11 +217,11 @@ void attend_chunk(const float* q, int64_t q_head_stride, const PagedKV& keys,
       }
       part.sum[i] += exp_shift_sum(sc, len, mx);
       if (lanes) {
-        accumulate_values(a, val, values.token_stride, len, dim_v, sc);
+        accumulate_values(a, val, v_token, len, dim_v, sc);
       } else {
         for (int64_t t = 0; t < len; ++t)
 #pragma omp simd
-          for (int64_t d = 0; d < dim_v; ++d) a[d] += sc[t] * val[t * values.token_stride + d];
+          for (int64_t d = 0; d < dim_v; ++d) a[d] += sc[t] * val[t * v_token + d];
       }
     }
   }
@@ -304,8 +340,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t window) {
   check_fp32_cpu(q, "q");
-  check_fp32_cpu(key_cache, "key_cache");
-  check_fp32_cpu(value_cache, "value_cache");
+  const KVFormat format = kv_format_of(key_cache, "key_cache");
+  TORCH_CHECK(kv_format_of(value_cache, "value_cache") == format,
+              "key_cache and value_cache must have one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, dim] with contiguous heads");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 &&
                   value_cache.stride(3) == 1 && key_cache.size(3) == q.size(2),
@@ -320,10 +357,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
   TORCH_CHECK(n == 0 || seq_lens.max().item<int64_t>() <= block_tables.size(1) * key_cache.size(1),
               "a seq_len exceeds its block table");
   auto out = at::empty({n, heads, value_cache.size(3)}, q.options());
-  PagedKV keys{key_cache.data_ptr<float>(), key_cache.stride(0), key_cache.stride(1),
-               key_cache.stride(2), key_cache.size(1), key_cache.size(3)};
-  PagedKV values{value_cache.data_ptr<float>(), value_cache.stride(0), value_cache.stride(1),
-                 value_cache.stride(2), value_cache.size(1), value_cache.size(3)};
+  PagedKV keys{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+               key_cache.stride(2), key_cache.size(1), key_cache.size(3), format};
+  PagedKV values{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1),
+                 value_cache.stride(2), value_cache.size(1), value_cache.size(3), format};
   decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), keys, values,
                    block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                    seq_lens.data_ptr<int64_t>(), n, heads, kv_heads, static_cast<float>(scale),

@@ -5,6 +5,7 @@
 #include "kernels.h"
 
 #include "argmax.cpp"
+#include "kv_fp8.cpp"
 #include "attention.cpp"
 #include "elementwise.cpp"
 #include "gguf_blocks.cpp"
@@ -40,8 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_pack_lanes") = kvforge::kPackLanes;  // the packed layout's geometry
   m.attr("linear_pack_rows") = kvforge::kPackRows;
   m.attr("linear_packing_pays") = kvforge::kPackingPays;   // whether layers should be packed
+  m.def("store_kv", &kvforge::store_kv_op,
+        "src (fp32) into dst (fp32 or fp8) as the decode stack writes K/V: fp8 saturated, "
+        "rounded to nearest even", pybind11::arg("dst"), pybind11::arg("src"), release_gil());
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
-        "decode attention over paged KV (fp32); window > 0: the last `window` keys of each row",
+        "decode attention over paged KV (fp32 or fp8 caches, fp32 q); window > 0: the last "
+        "`window` keys of each row",
         pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("window") = 0, release_gil());

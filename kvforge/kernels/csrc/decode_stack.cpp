@@ -253,7 +253,7 @@ class DecodeStack {
                       cos_local->stride(1) == 1 && sin_local->stride(1) == 1,
                   "cos_local / sin_local must be [n, head_dim] like cos / sin");
     }
-    const auto [num_slots, block_size] = check_caches(kv_caches);
+    const auto [num_slots, block_size, format] = check_caches(kv_caches);
     // bounds, once per step: every slot and every attended block must exist
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -268,7 +268,7 @@ class DecodeStack {
                                         sin_local->data_ptr<float>(), sin_local->stride(0)}
                                  : global;
     const Step step{kv_caches, slots, tables, table_stride, lens, {global, local}, num_slots,
-                    block_size, n};
+                    block_size, n, format};
     return team_runs_all(n) ? forward_team(hidden, step) : forward_ops(hidden, step);
   }
 
@@ -380,7 +380,7 @@ class DecodeStack {
                       stop->numel() == 1, "stop must be an int32 [1] CPU tensor");
       stop_flag = stop->data_ptr<int32_t>();
     }
-    const auto [num_slots, block_size] = check_caches(kv_caches);
+    const auto [num_slots, block_size, format] = check_caches(kv_caches);
     const int64_t* id0 = ids.data_ptr<int64_t>();
     const int64_t* pos0 = positions.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -463,7 +463,7 @@ class DecodeStack {
         }
         const Step st{kv_caches, slots.data() + s * n, tables, table_stride,
                       lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
-                      block_size, n};
+                      block_size, n, format};
         ShareClaim* claim = claims.data() + s * step_claims;
         DecodeAttentionPlan* step_plans[2] = {&plans[s],
                                               window_ > 0 ? &window_plans[s] : &plans[s]};
@@ -519,6 +519,7 @@ class DecodeStack {
     Rope rope[2];                  // a layer's LayerWeights::rope picks one
     int64_t num_slots, block_size;
     int64_t n;                     // rows (sequences) this step
+    KVFormat format;               // the caches' K/V elements
   };
 
   // Gemma 3's per-layer parts: [q_norm, k_norm, post_attn, post_ffn, window, rope]
@@ -592,11 +593,15 @@ class DecodeStack {
 
   struct CacheGeometry {
     int64_t num_slots, block_size;
+    KVFormat format;               // fp32 or fp8 K/V (quant/fp8_kv.py), one for every layer
   };
   CacheGeometry check_caches(const std::vector<at::Tensor>& kv_caches) const {
     int64_t num_slots = -1, block_size = 0;
+    const KVFormat format = kv_caches.empty() ? KVFormat::kF32
+                                              : kv_format_of(kv_caches[0], "kv_cache");
     for (const auto& cache : kv_caches) {
-      check_fp32_cpu(cache, "kv_cache");
+      TORCH_CHECK(kv_format_of(cache, "kv_cache") == format,
+                  "every layer's kv cache must have the same dtype");
       TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads_ &&
                       cache.size(4) == head_dim_ && cache.is_contiguous(),
                   "kv_cache must be contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
@@ -605,7 +610,7 @@ class DecodeStack {
       num_slots = cache.size(1) * cache.size(2);
       block_size = cache.size(2);
     }
-    return {num_slots, block_size};
+    return {num_slots, block_size, format};
   }
 
   // a row's slot and every block it attends must exist
@@ -701,8 +706,9 @@ class DecodeStack {
       run_projection(w.qkv, sp ? sp->qkv : nullptr, h, hidden_, qkv_p, n, team, claim,
                      claim + kRotationWorks * threads);
       team.barrier();
-      float* cache = st.kv_caches[l].data_ptr<float>();
-      const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane
+      char* cache = static_cast<char*>(st.kv_caches[l].data_ptr());
+      const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane (elements)
+      const int64_t bytes = st.format == KVFormat::kF32 ? 4 : 1;   // per element
       float* my_q = qkv_p + h0 * head_dim_;
       float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
       if (w.q_norm.defined())
@@ -718,14 +724,14 @@ class DecodeStack {
       for (int64_t t = 0; t < n; ++t) {
         const float* k = my_k + t * qkv_width;
         const int64_t slot = st.slots[t] * kv_row + k0 * head_dim_;
-        std::copy(k, k + (k1 - k0) * head_dim_, cache + slot);
-        std::copy(k + kv_row, k + kv_row + (k1 - k0) * head_dim_, cache + plane + slot);
+        store_kv(cache + slot * bytes, k, (k1 - k0) * head_dim_, st.format);
+        store_kv(cache + (plane + slot) * bytes, k + kv_row, (k1 - k0) * head_dim_, st.format);
       }
       team.barrier();
       const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,
-                         head_dim_};
-      const PagedKV values{cache + plane, st.block_size * kv_row, kv_row, head_dim_,
-                           st.block_size, head_dim_};
+                         head_dim_, st.format};
+      const PagedKV values{cache + plane * bytes, st.block_size * kv_row, kv_row, head_dim_,
+                           st.block_size, head_dim_, st.format};
       DecodeAttentionPlan& plan = *plans[w.window > 0 ? 1 : 0];
       team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
                       [&](int64_t t0, int64_t t1, int64_t) {
@@ -838,16 +844,18 @@ class DecodeStack {
       const Rope& rope = st.rope[w.rope];
       rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, rope.cos, rope.cos_stride, rope.sin,
                   rope.sin_stride, n, heads_ + kv_heads_, head_dim_);
-      float* cache = kv_caches[l].data_ptr<float>();
-      const int64_t plane = num_slots * kv_row;     // K plane, then V plane
+      char* cache = static_cast<char*>(kv_caches[l].data_ptr());
+      const int64_t plane = num_slots * kv_row;     // K plane, then V plane (elements)
+      const int64_t bytes = st.format == KVFormat::kF32 ? 4 : 1;   // per element
       for (int64_t t = 0; t < n; ++t) {
         const float* k = qkv_p + t * qkv_stride + q_width;
-        std::copy(k, k + kv_row, cache + slots[t] * kv_row);
-        std::copy(k + kv_row, k + 2 * kv_row, cache + plane + slots[t] * kv_row);
+        store_kv(cache + slots[t] * kv_row * bytes, k, kv_row, st.format);
+        store_kv(cache + (plane + slots[t] * kv_row) * bytes, k + kv_row, kv_row, st.format);
       }
-      const PagedKV keys{cache, block_size * kv_row, kv_row, head_dim_, block_size, head_dim_};
-      const PagedKV values{cache + plane, block_size * kv_row, kv_row, head_dim_, block_size,
-                           head_dim_};
+      const PagedKV keys{cache, block_size * kv_row, kv_row, head_dim_, block_size, head_dim_,
+                         st.format};
+      const PagedKV values{cache + plane * bytes, block_size * kv_row, kv_row, head_dim_,
+                           block_size, head_dim_, st.format};
       decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
                        heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window);
       at::Tensor o = w.o(attn);

@@ -241,9 +241,25 @@ void linear_team_plan(const float* x, int64_t xs, const float* w, bool packed, c
 // throws unless `packed` is an fp32 weight [out, in] in that layout
 void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out);
 
+// How a paged K/V plane stores its elements: fp32, or one byte of fp8 as torch stores
+// float8_e4m3fn / float8_e5m2 (quant/fp8_kv.py: the K/V rounded, a scale of 1)
+enum class KVFormat : int8_t { kF32 = 0, kE4M3 = 1, kE5M2 = 2 };
+
+// The format of a cache tensor's dtype (fp32, float8_e4m3fn, float8_e5m2); throws for another
+KVFormat kv_format_of(const at::Tensor& cache, const char* name);
+// n fp8 values -> floats (exact)
+void fp8_to_float(const uint8_t* src, float* dst, int64_t n, KVFormat format);
+// float -> fp8, rounded to nearest even as torch's cast rounds (the caller saturates first)
+uint8_t float_to_fp8(float x, KVFormat format);
+// n floats into a cache plane at `dst` (element offset already applied): a copy, or rounded to
+// fp8 -- the value the Python backends write (quant/fp8_kv.py: clamp, then the cast)
+void store_kv(void* dst, const float* src, int64_t n, KVFormat format);
+void store_kv_op(at::Tensor dst, at::Tensor src);      // the binding (tests)
+
 struct PagedKV {               // one layer's K or V plane: [num_blocks, block, kv_heads, dim]
-  const float* data;
-  int64_t block_stride, token_stride, head_stride, block_size, dim;
+  const void* data;            // floats or fp8 bytes (format)
+  int64_t block_stride, token_stride, head_stride, block_size, dim;   // in elements
+  KVFormat format = KVFormat::kF32;
 };
 
 // One query token per sequence over its paged context (see attention.cpp for the map), or
