@@ -70,11 +70,13 @@ def validate_window_args(config: "EngineConfig") -> None:
 
 
 def _check_compatible(config: "EngineConfig", what: str) -> None:
-    if config.attention_backend != "paged" and not config.attention_backend.startswith(
-            "paged_fp8_"):
+    from kvforge.attention.windowed import windowed_backend_cls
+    try:
+        windowed_backend_cls(config.attention_backend)    # a storage with a windowed backend
+    except ValueError:
         raise ValueError(f"{what} runs on the paged KV layout (fp32 or fp8 K/V); it cannot be "
                          f"combined with attention_backend={config.attention_backend!r} "
-                         f"(sparse_attention={config.sparse_attention!r})")
+                         f"(sparse_attention={config.sparse_attention!r})") from None
     if config.speculative_method not in (None, "none"):
         raise ValueError(f"{what} cannot be combined with speculative decoding "
                          f"(speculative_method={config.speculative_method!r})")
