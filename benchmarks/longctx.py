@@ -24,6 +24,12 @@ the steps QUEST changes. Per configuration: top-1 next-token accuracy and mean N
 positions, and the accuracy relative to dense. A 135M model finds a passkey only at ~1k tokens,
 so part 2 cannot compare QUEST with dense at long contexts; next-token accuracy can.
 
+Part 4 (``--engine-decode``, any model, e.g. ``--model gemma-3-270m``): whole-model decode
+time per token at each ``--lengths`` context (The Tempest as the prompt, 32 greedy tokens),
+the engine as a user runs it without QUEST (its default path: the compiled decode stack where
+the model has one) against engines with ``--sparse-attention quest`` at each budget, in
+alternating rounds; and the tokens the QUEST engines share with the default one.
+
 Ends with one ``SUMMARY longctx:`` line.
 """
 from __future__ import annotations
@@ -155,6 +161,9 @@ def main() -> None:
     p.add_argument("--acc-tokens", type=int, default=128,
                    help="decode positions scored before each --acc-contexts length")
     p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--engine-decode", action="store_true",
+                   help="part 4: decode per token, default engine vs QUEST engines")
+    p.add_argument("--rounds", type=int, default=2, help="part 4's alternating rounds")
     args = p.parse_args()
     setup_threads(args.threads)
     torch.manual_seed(0)
@@ -218,6 +227,10 @@ def main() -> None:
                                f"{statistics.median(step_s[('dense', longest)]) / statistics.median(step_s[(name, longest)]):.2f}x")
     if not args.skip_accuracy:
         summary.extend(decode_accuracy(llm, configs, args))
+    if args.engine_decode:
+        if not (args.skip_passkey and args.skip_accuracy):
+            del llm                                   # its KV pool, before part 4's engines
+        summary.extend(engine_decode(args))
     print("\n" + hardware_line())
     print("SUMMARY longctx: " + "; ".join(summary))
 
@@ -253,6 +266,56 @@ def decode_accuracy(llm, configs, args) -> list[str]:
             out.append("top-1 quest1024/dense " + ", ".join(
                 f"@{c} {r:.0%}" for c, r in zip(contexts, rel)))
     return out
+
+
+# ------------------------------------------------------------------ part 4: whole engines
+def engine_decode(args) -> list[str]:
+    from kvforge import LLM, SamplingParams
+    from kvforge.eval.corpus import load_corpus
+    max_len = max(args.lengths) + 64
+    common = dict(max_model_len=max_len, num_kv_blocks=max_len // 16 + 8,
+                  num_threads=torch.get_num_threads())
+    engines = {"default": LLM(args.model, **common)}
+    for b in args.budgets:
+        engines[f"quest {b}"] = LLM(args.model, sparse_attention="quest", sparse_token_budget=b,
+                                    **common)
+    text_ids = engines["default"].engine.tokenizer.encode(load_corpus("shakespeare"))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    per_token = {(name, n): [] for name in engines for n in args.lengths}
+    tokens = {}
+    for _ in range(args.rounds):
+        for n in args.lengths:
+            prompt = [{"prompt_token_ids": text_ids[:n]}]
+            for name, llm in engines.items():
+                llm.generate(prompt, first, use_tqdm=False)      # prefills, fills the cache
+                t0 = time.perf_counter()
+                llm.generate(prompt, first, use_tqdm=False)
+                t1 = time.perf_counter()
+                out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+                t2 = time.perf_counter()
+                # both timed calls hit the prefix cache (the last partial block is recomputed):
+                # the difference is 31 decode steps
+                per_token[(name, n)].append(((t2 - t1) - (t1 - t0)) / 31)
+                tokens[(name, n)] = out.token_ids
+    for llm in engines.values():
+        llm.engine.check_integrity()
+    print(f"\n== whole-model decode, {args.model or 'default model'}: ms per token after the "
+          f"first (median of {args.rounds} rounds), tokens equal to the default engine's")
+    rows = []
+    for name in engines:
+        row = [name]
+        for n in args.lengths:
+            ms = statistics.median(per_token[(name, n)]) * 1e3
+            same = sum(a == b for a, b in zip(tokens[(name, n)], tokens[("default", n)]))
+            row.append(f"{ms:.1f} ({same}/32)")
+        rows.append(row)
+    print(format_table(["engine"] + [f"{n} tok" for n in args.lengths], rows))
+    longest = max(args.lengths)
+    base = statistics.median(per_token[("default", longest)])
+    return [f"engine decode @{longest} {name} "
+            f"{base / statistics.median(per_token[(name, longest)]):.2f}x default"
+            for name in engines if name != "default"]
 
 
 if __name__ == "__main__":

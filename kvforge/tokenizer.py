@@ -46,11 +46,14 @@ class Tokenizer:
         transformers re-parses the whole GGUF to build the tokenizer (seconds), so the result is
         saved once under the kvforge cache dir, keyed by the file's path, size and mtime, and later
         loads read that fast tokenizer.json instead (without transformers)."""
-        from kvforge.tokenizer_file import TokenizerFile
+        from kvforge.tokenizer_file import TokenizerFile, compact_tokenizer_json, is_compact
         path = os.path.abspath(path)
         cached = _gguf_tokenizer_cache_dir(path)
-        if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        saved = os.path.join(cached, "tokenizer.json") if cached is not None else None
+        if saved is not None and os.path.isfile(saved):
             try:
+                if not is_compact(saved):     # an entry written before the compact form
+                    compact_tokenizer_json(saved)
                 return cls(TokenizerFile(cached), saved_dir=cached)
             except Exception:  # a damaged cache entry: rebuild it below
                 pass
@@ -61,6 +64,8 @@ class Tokenizer:
             try:
                 tmp = f"{cached}.tmp{os.getpid()}"
                 hf.save_pretrained(tmp)
+                # the form later starts read fastest (tokenizer_file.compact_tokenizer_json)
+                compact_tokenizer_json(os.path.join(tmp, "tokenizer.json"))
                 os.makedirs(os.path.dirname(cached), exist_ok=True)
                 os.replace(tmp, cached)
             except OSError:  # read-only home or a concurrent writer: the cache is optional

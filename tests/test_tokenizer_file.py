@@ -83,3 +83,83 @@ def test_cached_gguf_tokenizer_reads_without_transformers(tmp_path, monkeypatch,
     assert cached.encode(TEXTS[4]) == fresh.encode(TEXTS[4])
     # the transformers tokenizer is still there for saving beside a model
     assert type(cached.hf_tokenizer).__module__.startswith("transformers")
+
+
+def _tokenizer_state(path: str) -> dict:
+    """Everything ``tokenizers`` holds of a tokenizer.json, as it serialises it back."""
+    import json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    return json.loads(RustTokenizer.from_file(path).to_str())
+
+
+def test_compact_tokenizer_json_is_the_same_tokenizer(pairs, tmp_path):
+    """The compact form (tokenizer_file.compact_tokenizer_json) of every vocabulary here reads
+    back as the very same tokenizer: identical state, ids and text, also through transformers."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvforge.tokenizer_file import compact_tokenizer_json, is_compact
+    for i, (name, light, _) in enumerate(pairs):
+        saved = tmp_path / f"saved{i}"
+        light_dir = tmp_path / f"compact{i}"
+        light._rust.save(str(tmp_path / "plain.json"), pretty=True)
+        saved.mkdir()
+        shutil.copy(tmp_path / "plain.json", saved / "tokenizer.json")
+        shutil.copytree(saved, light_dir)
+        path = str(light_dir / "tokenizer.json")
+        assert not is_compact(path), name
+        assert compact_tokenizer_json(path), name
+        assert is_compact(path), name
+        assert os.path.getsize(path) < os.path.getsize(saved / "tokenizer.json"), name
+        assert _tokenizer_state(path) == _tokenizer_state(str(saved / "tokenizer.json")), name
+        compact = TokenizerFile(str(light_dir))
+        hf = AutoTokenizer.from_pretrained(str(light_dir), local_files_only=True)
+        for text in TEXTS:
+            assert compact.encode(text) == light.encode(text), (name, text)
+            assert hf.encode(text) == light.encode(text), (name, text)
+
+
+def test_compact_keeps_merge_pairs_holding_a_space(tmp_path):
+    """A merged piece with a space cannot take the "a b" string form: the merges stay pairs."""
+    import json
+
+    from kvforge.tokenizer_file import compact_tokenizer_json
+    vocab = {"a": 0, "b": 1, " ": 2, "a ": 3, "a b": 4, "ab": 5}
+    data = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+            "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": [["a", " "], ["a ", "b"], ["a", "b"]]}}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data, indent=2))
+    before = _tokenizer_state(str(path))
+    assert compact_tokenizer_json(str(path))
+    written = json.loads(path.read_text(encoding="utf-8"))
+    assert written["model"]["merges"] == [["a", " "], ["a ", "b"], ["a", "b"]]
+    assert _tokenizer_state(str(path)) == before
+
+
+def test_cache_entry_written_indented_is_compacted_on_load(tmp_path, monkeypatch,
+                                                           default_model_path):
+    """A cache entry in transformers' indented form (written before the compact form) is
+    rewritten compact the next time it is read, and reads as the same tokenizer."""
+    import json
+
+    from kvforge.tokenizer import _gguf_tokenizer_cache_dir
+    from kvforge.tokenizer_file import is_compact
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    fresh = Tokenizer.from_gguf(default_model_path)               # converts and caches
+    saved = os.path.join(_gguf_tokenizer_cache_dir(default_model_path), "tokenizer.json")
+    assert is_compact(saved)                                       # written compact
+    with open(saved, encoding="utf-8") as f:
+        data = json.load(f)
+    with open(saved, "w", encoding="utf-8") as f:                  # as save_pretrained writes
+        json.dump(data, f, indent=2)
+    assert not is_compact(saved)
+    cached = Tokenizer.from_gguf(default_model_path)
+    assert isinstance(cached._tok, TokenizerFile) and is_compact(saved)
+    for text in TEXTS:
+        assert cached.encode(text) == fresh.encode(text), text

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvforge.attention.base import register_backend
+from kvforge.attention.base import AttentionBackend, register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import PagedAttentionBackend
+from kvforge.attention.windowed import WindowedAttentionBackend
 from kvforge.kernels import ops as kernel_ops
 
 
@@ -130,6 +131,35 @@ def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, k: int) -> tor
     return scores.topk(k, dim=-1).indices
 
 
+def store_quest_kv(backend: PagedAttentionBackend, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Check the shapes, write the step's K/V and the bounds of the blocks written; returns the
+    slots in the paged order (``kv_slots``, a strided view)."""
+    size = meta.block_size
+    if kv_cache.dim() != 4 or kv_cache.shape[2:] != (backend.num_kv_heads * (size + 1),
+                                                      backend.head_size):
+        raise ValueError(f"quest kv_cache shape {tuple(kv_cache.shape)}, expected "
+                         f"[2, num_blocks, {backend.num_kv_heads * (size + 1)}, "
+                         f"{backend.head_size}]")
+    slots = kv_slots(kv_cache, backend.num_kv_heads)
+    backend._check_inputs(q, k, v, slots, meta)
+    ops = kernel_ops.cpu_kernels()
+    if (ops is not None and kv_cache.dtype == torch.float32 and k.dtype == torch.float32
+            and kv_cache.is_cpu and kv_cache.is_contiguous() and k.stride(2) == 1
+            and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]):
+        ops.quest_write(kv_cache, k, v, meta.slot_mapping)      # csrc/quest.cpp, same rule
+    else:
+        write_kv_and_bounds(kv_cache, k, v, meta)
+    return slots
+
+
+def quest_cache_shape(backend: PagedAttentionBackend, num_blocks: int,
+                      block_size: int) -> tuple[int, ...]:
+    if backend.head_size_v != backend.head_size:
+        raise NotImplementedError("quest needs equal K and V head sizes")
+    return (2, num_blocks, backend.num_kv_heads * (block_size + 1), backend.head_size)
+
+
 @register_backend("quest")
 class QuestAttentionBackend(PagedAttentionBackend):
     """Paged attention whose decodes read only the top blocks by the QUEST bound.
@@ -143,9 +173,7 @@ class QuestAttentionBackend(PagedAttentionBackend):
     layer_idx: int | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        if self.head_size_v != self.head_size:
-            raise NotImplementedError("quest needs equal K and V head sizes")
-        return (2, num_blocks, self.num_kv_heads * (block_size + 1), self.head_size)
+        return quest_cache_shape(self, num_blocks, block_size)
 
     @property
     def is_sparse_layer(self) -> bool:
@@ -153,20 +181,7 @@ class QuestAttentionBackend(PagedAttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        size = meta.block_size
-        if kv_cache.dim() != 4 or kv_cache.shape[2:] != (self.num_kv_heads * (size + 1),
-                                                          self.head_size):
-            raise ValueError(f"quest kv_cache shape {tuple(kv_cache.shape)}, expected "
-                             f"[2, num_blocks, {self.num_kv_heads * (size + 1)}, {self.head_size}]")
-        slots = kv_slots(kv_cache, self.num_kv_heads)    # the paged order, a strided view
-        self._check_inputs(q, k, v, slots, meta)
-        ops = kernel_ops.cpu_kernels()
-        if (ops is not None and kv_cache.dtype == torch.float32 and k.dtype == torch.float32
-                and kv_cache.is_cpu and kv_cache.is_contiguous() and k.stride(2) == 1
-                and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]):
-            ops.quest_write(kv_cache, k, v, meta.slot_mapping)      # csrc/quest.cpp, same rule
-        else:
-            write_kv_and_bounds(kv_cache, k, v, meta)
+        slots = store_quest_kv(self, q, k, v, kv_cache, meta)
         plan = self._plan(meta, slots, q.dtype)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
         if plan.decode_slices:
@@ -231,15 +246,55 @@ class QuestAttentionBackend(PagedAttentionBackend):
         out[:n] = attn.reshape(n, self.num_heads, self.head_size_v)
 
 
+@register_backend("windowed_quest")
+class WindowedQuestBackend(WindowedAttentionBackend):
+    """A sliding window over QUEST's head-major cache (Gemma 3's local layers when QUEST is on:
+    every layer of a model shares one cache layout, and the global layers' is QUEST's).
+
+    The window's keys are few (Gemma 3: 512), so nothing is selected: the step writes K/V and
+    bounds as QUEST does and attends over the window as ``windowed`` does, its gather reading
+    each key's KV-head rows in the head-major layout (the block diagram above)::
+
+        slot s = block b * B + offset o  ->  row of KV head h = b * KVH * (B + 1) + h * B + o
+    """
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return quest_cache_shape(self, num_blocks, block_size)
+
+    def _store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> None:
+        store_quest_kv(self, q, k, v, kv_cache, meta)
+
+    def _window_decodes(self, q, kv_cache, meta, window, out) -> bool:
+        return False            # the compiled paged kernel reads the token-major layout only
+
+    def _gather_kv(self, kv_cache: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kvh = self.num_kv_heads
+        size = kv_cache.shape[2] // kvh - 1
+        heads = torch.arange(kvh, device=slots.device) * size
+        rows = ((slots // size * (kvh * (size + 1)) + slots % size)[:, None] + heads).reshape(-1)
+        planes = kv_cache.view(2, -1, self.head_size)                 # rows of D values
+        keys = planes[0].index_select(0, rows).view(-1, kvh, self.head_size)
+        values = planes[1].index_select(0, rows).view(-1, kvh, self.head_size_v)
+        return keys, values
+
+
 def configure_quest(model: torch.nn.Module, token_budget: int, dense_layers: int) -> int:
-    """Give every QUEST backend of ``model`` its budget and its layer index (module order =
-    layer order). Returns how many it found."""
+    """Give every QUEST backend of ``model`` its budget and its layer index: its place among
+    all the model's attention backends in module order (= layer order), so the first
+    ``dense_layers`` layers of the model stay dense even where some layers are not QUEST's
+    (Gemma 3's windowed ones). Returns how many QUEST backends it found."""
     if token_budget <= 0:
         raise ValueError(f"sparse_token_budget must be > 0, got {token_budget}")
     if dense_layers < 0:
         raise ValueError(f"quest_dense_layers must be >= 0, got {dense_layers}")
     backends = [b for m in model.modules() for b in vars(m).values()
-                if isinstance(b, QuestAttentionBackend)]
+                if isinstance(b, AttentionBackend)]
+    found = 0
     for idx, backend in enumerate(backends):
-        backend.layer_idx, backend.token_budget, backend.dense_layers = idx, token_budget, dense_layers
-    return len(backends)
+        if isinstance(backend, QuestAttentionBackend):
+            backend.layer_idx, backend.token_budget = idx, token_budget
+            backend.dense_layers = dense_layers
+            found += 1
+    return found

@@ -194,8 +194,7 @@ class WindowedAttentionBackend(PagedAttentionBackend):
             raise ValueError("StreamingLLM sink positions need the model's RoPE frequencies "
                              "(rope_inv_freq); configure the backend with "
                              "configure_attention_window")
-        self._check_inputs(q, k, v, kv_cache, meta)
-        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        self._store(q, k, v, kv_cache, meta)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
         # decodes under a plain sliding window (no sinks: Gemma 3's local layers): the compiled
         # kernel reads each row's last `window` keys in place, no gather, no mask
@@ -211,6 +210,20 @@ class WindowedAttentionBackend(PagedAttentionBackend):
         for group in plans[key]:
             self._attend(q, kv_cache, group, out)
         return out
+
+    def _store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> None:
+        """Check the shapes and write the step's K/V (``windowed_quest``: QUEST's layout)."""
+        self._check_inputs(q, k, v, kv_cache, meta)
+        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+
+    def _gather_kv(self, kv_cache: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots [N]``: ``[N, KVH, D]`` each (fresh tensors)."""
+        kvh = self.num_kv_heads
+        keys = kv_cache[0].view(-1, kvh, self.head_size).index_select(0, slots)
+        values = kv_cache[1].view(-1, kvh, self.head_size_v).index_select(0, slots)
+        return keys, values
 
     def _window_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         window: int, out: torch.Tensor) -> bool:
@@ -231,8 +244,7 @@ class WindowedAttentionBackend(PagedAttentionBackend):
         n, q_len, cols = g.n, g.q_len, g.sink_cols
         dtype = q.dtype
         # [n * L] slots -> [n, L, KVH, D] -> [n, KVH, L, D] (fresh tensors: safe to edit)
-        keys = kv_cache[0].view(-1, kvh, self.head_size).index_select(0, g.key_slots)
-        values = kv_cache[1].view(-1, kvh, self.head_size_v).index_select(0, g.key_slots)
+        keys, values = self._gather_kv(kv_cache, g.key_slots)
         keys = keys.to(dtype).view(n, -1, kvh, self.head_size).transpose(1, 2)
         values = values.to(dtype).view(n, -1, kvh, self.head_size_v).transpose(1, 2)
         queries = q[g.rows].view(n, q_len, self.num_heads, self.head_size).transpose(1, 2)

@@ -42,8 +42,14 @@ def set_window(model: torch.nn.Module, window: AttentionWindow | None,
     """Give every windowed attention backend of ``model`` this window (None: full attention).
     The model must have been configured with ``configure_attention_window`` (e.g. built by an
     engine with ``attention_sinks`` / ``sliding_window``), unless ``window`` is None and
-    ``allow_none``: then a model without windows is left as it is. Returns how many layers it
-    set."""
+    ``allow_none``: then a model without windows is left as it is, and so is a model whose
+    layers carry their own windows (Gemma 3's sliding layers: ``applies_own_sliding_window``),
+    which takes no other window. Returns how many layers it set."""
+    if getattr(model, "applies_own_sliding_window", False):
+        if window is None and allow_none:
+            return 0
+        raise ValueError(f"{type(model).__name__} windows its own sliding layers; it takes no "
+                         f"other attention window (got {window})")
     backends = [b for m in model.modules() for b in vars(m).values()
                 if isinstance(b, WindowedAttentionBackend)]
     if not backends and window is None and allow_none:

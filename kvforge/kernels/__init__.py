@@ -4,8 +4,8 @@ a register-tiled linear kernel, paged decode attention, QUEST sparse decode, and
 
 ``cpu_kernels()`` builds the extension for the ISA ``KVFORGE_ISA`` selects (``isa.py``: AVX2 or
 AVX-512, the widest this CPU runs by default) on first use with ``torch.utils.cpp_extension``
-(g++ and ninja; ~1 minute once per ISA, then cached under ``~/.cache/kvforge/kernels``) and
-returns the module, or None when kernels are disabled (``KVFORGE_KERNELS=0``) or cannot be built
+(g++ and ninja; ~1 minute once per ISA, then cached under ``~/.cache/kvforge/kernels``, and
+imported directly by later starts) and returns the module, or None when kernels are disabled (``KVFORGE_KERNELS=0``) or cannot be built
 here — callers then use plain PyTorch ops, so the engine runs (slower) without a compiler. The
 wrappers that pick kernel vs fallback are in ``ops.py``. Each ISA's build is a module of its own
 (``kvforge_cpu_kernels_avx2``, ...), so one process can load both (the tests compare them).
@@ -47,12 +47,62 @@ def _build_dir(isa: str) -> Path:
     return root / "kernels" / f"{isa}-{key[:16]}"
 
 
+# written beside a build once torch's loader has built and imported it: the library's size and
+# mtime, so a later start imports it directly (see _import_built)
+_BUILT_MARKER = "kvforge.built"
+
+
+def _import_built(build_dir: Path, name: str):
+    """The module of a finished build in ``build_dir``, imported directly; None when there is
+    none (no marker, or the library changed since: a rebuild in progress or torch's loader
+    must check the build). Importing torch's ``cpp_extension`` (setuptools with it) and asking
+    ninja whether the build is current cost ~0.1 s of every start; the directory's name already
+    hashes the sources, flags and torch version, so a marked library is current."""
+    import importlib.util
+    import json
+    import sys
+    library = build_dir / f"{name}.so"
+    try:
+        marker = json.loads((build_dir / _BUILT_MARKER).read_text())
+        stat = library.stat()
+    except (OSError, ValueError):
+        return None
+    if marker != {"library": library.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}:
+        return None
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    sys.modules[name] = module
+    return module
+
+
+def _mark_built(build_dir: Path, name: str) -> None:
+    import json
+    try:
+        stat = (build_dir / f"{name}.so").stat()
+    except OSError:                 # no library where torch's loader was asked to put it
+        return
+    tmp = build_dir / f"{_BUILT_MARKER}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"library": f"{name}.so", "size": stat.st_size,
+                               "mtime_ns": stat.st_mtime_ns}))
+    tmp.replace(build_dir / _BUILT_MARKER)
+
+
 def build_kernels(isa: str):
     """Build (or load the cached build of) the kernels for ``isa``; raises if the build fails.
     Loading a module does not run its code: building another ISA's kernels is safe anywhere."""
+    build_dir = _build_dir(isa)
+    name = f"kvforge_cpu_kernels_{isa}"
+    built = _import_built(build_dir, name)
+    if built is not None:
+        return built
     import fcntl
     from torch.utils.cpp_extension import load
-    build_dir = _build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading kvforge CPU kernels for %s (built once per machine, about a minute)",
                 isa)
@@ -63,10 +113,12 @@ def build_kernels(isa: str):
     with open(build_dir / "kvforge.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        return load(name=f"kvforge_cpu_kernels_{isa}", sources=[str(p) for p in _SOURCES],
-                    build_directory=str(build_dir), verbose=False,
-                    extra_cflags=["-O3", *compile_flags(isa), "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
+        module = load(name=name, sources=[str(p) for p in _SOURCES],
+                      build_directory=str(build_dir), verbose=False,
+                      extra_cflags=["-O3", *compile_flags(isa), "-fopenmp"],
+                      extra_ldflags=["-fopenmp"])
+        _mark_built(build_dir, name)
+        return module
 
 
 def cpu_kernels(isa: str | None = None):

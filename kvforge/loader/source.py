@@ -30,6 +30,9 @@ class ModelSource:
     format: ModelFormat
     # the open GGUF reader: parsing its metadata costs seconds, so reuse it for the weights
     _reader: Any = field(default=None, repr=False, compare=False)
+    # the tokenizer, read once: the engine, a draft model's vocabulary check and calibration
+    # each ask for it, and a 152k-262k-token vocabulary takes 0.3-0.7 s to read
+    _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in ("gguf", "hf"):
@@ -56,9 +59,11 @@ class ModelSource:
         return weights
 
     def load_tokenizer(self) -> Tokenizer:
-        if self.format == "gguf":
-            return Tokenizer.from_gguf(self.path)
-        return Tokenizer.from_pretrained(self.path)
+        """The model's tokenizer (one object per source: later calls return the first)."""
+        if self._tokenizer is None:
+            self._tokenizer = (Tokenizer.from_gguf(self.path) if self.format == "gguf"
+                               else Tokenizer.from_pretrained(self.path))
+        return self._tokenizer
 
 
 def load_model_source(path: str | None = None) -> ModelSource:

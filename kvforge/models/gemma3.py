@@ -16,10 +16,13 @@
 The sliding layers carry their window in their attention backend (``WindowedAttentionBackend``
 with a true-position window over the normal paged cache, no blocks freed), so the model is
 exact on its own, with or without an engine; the engine's window planning leaves it alone
-(``applies_own_sliding_window``). Decode steps run in the compiled decode stack
-(``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and each layer's window and
-RoPE base are options of its layer), with multi-step greedy decoding; prefill and anything the
-stack does not take run the Python layers below, the reference.
+(``applies_own_sliding_window``). With QUEST (``--sparse-attention quest``) the full-attention
+layers decode over the top blocks by QUEST's bound and the sliding layers keep their window
+over QUEST's cache layout (``attention/quest.WindowedQuestBackend``). Decode steps run in the
+compiled decode stack (``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and
+each layer's window and RoPE base are options of its layer), with multi-step greedy decoding;
+prefill and anything the stack does not take (QUEST layers) run the Python layers below, the
+reference.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from torch import nn
 
 from kvforge.attention.base import get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.quest import WindowedQuestBackend
 from kvforge.attention.window import AttentionWindow
 from kvforge.attention.windowed import windowed_backend_cls
 from kvforge.layers.embedding import uninitialized_embedding
@@ -130,7 +134,10 @@ class Gemma3Attention(nn.Module):
             # a layer-local window over the full paged cache (HF: key k is visible to query p
             # iff p - W < k <= p)
             try:
-                windowed = windowed_backend_cls(attn_backend)     # fp32 or fp8 K/V
+                # fp32 or fp8 K/V; under QUEST (the global layers' sparse decode) the window
+                # over QUEST's layout, as every layer shares one cache layout
+                windowed = (WindowedQuestBackend if attn_backend == "quest"
+                            else windowed_backend_cls(attn_backend))
             except ValueError as e:
                 raise ValueError(f"Gemma 3's sliding-window layers: {e}") from None
             self.attn = windowed(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale)

@@ -251,3 +251,35 @@ def test_windows_are_hashable_values():
     # the backend caches a step's plan per window: equal windows must share it
     assert len({AttentionWindow(4, 8), AttentionWindow(4, 8), AttentionWindow(4, 8, "true")}) == 2
     assert list(itertools.islice(AttentionWindow(0, 4).dead_blocks(100, 4), 1)) == [0]
+
+
+@pytest.mark.parametrize("w", [AttentionWindow(0, 6, "true"), AttentionWindow(2, 7, "true"),
+                               AttentionWindow(3, 5, "in_cache")], ids=str)
+def test_window_over_quest_layout_matches_streaming_reference(w):
+    """``windowed_quest`` (Gemma 3's local layers when QUEST is on): the same windows over
+    QUEST's head-major cache. Decodes and prefill chunks against the reference, the step's K/V
+    written at their head-major rows and their blocks' key bounds updated."""
+    from kvforge.attention.quest import WindowedQuestBackend, key_bounds, kv_slots
+    query_lens, context_lens = [1, 1, 1, 1, 9, 7, 13], [2, 11, 40, 123, 0, 6, 70]
+    seqs, tables, paged, q, k, v, inv_freq = _make_case(w, query_lens, context_lens, False)
+    num_blocks = paged.shape[1]
+    cache = torch.randn(2, num_blocks, KVH * (B + 1), D, dtype=torch.float64)    # bounds: noise
+    kv_slots(cache, KVH).copy_(paged)
+    backend = WindowedQuestBackend(H, KVH, D, D ** -0.5)
+    backend.window, backend.rope_inv_freq, backend.query_tile = w, inv_freq, 4
+    assert backend.kv_cache_shape(num_blocks, B) == tuple(cache.shape)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, B)
+    out = backend.forward(q, k, v, cache, meta)
+    row = 0
+    for s, (ql, ctx) in enumerate(zip(query_lens, context_lens)):
+        for p in range(ctx, ctx + ql):
+            ref = streaming_reference(seqs[s]["q"][p], seqs[s]["k"], seqs[s]["v"], p, w,
+                                      inv_freq, D ** -0.5)
+            torch.testing.assert_close(out[row], ref, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m: f"seq {s} position {p}: {m}")
+            torch.testing.assert_close(kv_slots(cache, KVH)[0, tables[s][p // B], p % B], k[row])
+            row += 1
+    key_min, key_max = key_bounds(cache, KVH)
+    last = tables[3][(123 + 1 - 1) // B]           # seq 3's token 123 opened or joined a block
+    filled = kv_slots(cache, KVH)[0, last, :123 % B + 1]
+    assert torch.equal(key_min[last], filled.amin(0)) and torch.equal(key_max[last], filled.amax(0))

@@ -104,3 +104,29 @@ def test_quest_changes_only_decode_positions(default_model_path):
     assert torch.equal(sparse.nll[:570], dense.nll[:570])          # prefill chunks: dense
     assert (sparse.nll[570:] - dense.nll[570:]).abs().max() > 1e-3  # 64 of ~590 tokens read
     assert torch.equal(full.nll, dense.nll) and torch.equal(full.top1, dense.top1)
+
+
+@pytest.mark.parametrize("backend", ["paged", "quest"])
+def test_a_model_with_its_own_windows_keeps_them(backend):
+    """Gemma 3's sliding layers window themselves: the NLL of a text past the window (8) is
+    HF's, decode steps included (under QUEST: the window over QUEST's layout, the budget
+    above the text); another window is refused, naming the model."""
+    from kvforge.attention.quest import configure_quest
+    from kvforge.models.config import ModelConfig
+    from kvforge.models.gemma3 import Gemma3ForCausalLM
+    from tests.models.test_gemma3 import make_hf
+    hf = make_hf()
+    d = hf.config.to_dict()
+    d["architectures"] = ["Gemma3ForCausalLM"]
+    ours = Gemma3ForCausalLM(ModelConfig.from_hf_dict(d), attn_backend=backend)
+    ours.load_weights(hf.state_dict().items())
+    if backend == "quest":
+        assert configure_quest(ours, token_budget=1024, dense_layers=0) == 1
+    ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    r = chunked_nll(ours, ids.tolist(), None, chunk=7, block_size=4, decode_ranges=[(20, 30)])
+    with torch.inference_mode():
+        logits = hf(ids[None]).logits[0, :-1].double()
+    expected = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+    torch.testing.assert_close(r.nll, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM windows its own"):
+        set_window(ours, AttentionWindow(2, 16))

@@ -786,3 +786,32 @@ def test_quest_write_matches_write_kv_and_bounds(compiled):
         compiled.quest_write(ours, k, v, meta.slot_mapping)
         write_kv_and_bounds(ref, k, v, meta)
         torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+
+def test_a_finished_build_is_imported_without_torchs_loader(tmp_path):
+    """A build marked finished loads in a fresh process without torch's cpp_extension (and
+    setuptools, ninja): ~0.1 s of every start. The marker names the library's size and mtime,
+    so a library changed since (a rebuild in progress) or one that will not import goes back
+    to torch's loader."""
+    import json
+    import subprocess
+    import sys
+    if kernels.cpu_kernels() is None:
+        pytest.skip("compiled kernels unavailable")
+    code = ("import sys, torch; from kvforge.kernels import cpu_kernels; m = cpu_kernels(); "
+            "print(m.__file__, 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1] == "False" and out[0].endswith(f"{kernels.cpu_kernels().__name__}.so")
+    name = "kvforge_cpu_kernels_fake"
+    library = tmp_path / f"{name}.so"
+    library.write_bytes(b"not a shared library")
+    assert kernels._import_built(tmp_path, name) is None                   # no marker
+    kernels._mark_built(tmp_path, name)
+    marker = json.loads((tmp_path / kernels._BUILT_MARKER).read_text())
+    assert marker["size"] == len(b"not a shared library")
+    assert kernels._import_built(tmp_path, name) is None                   # will not import
+    library.write_bytes(b"rebuilt, longer library")
+    marker_now = json.loads((tmp_path / kernels._BUILT_MARKER).read_text())
+    assert marker_now["size"] != library.stat().st_size                    # changed since
+    assert kernels._import_built(tmp_path, name) is None

@@ -129,3 +129,48 @@ def test_place_linears_leaves_other_methods_and_shares_nothing():
     assert layers[1].weight is kept                       # not ours to move
     assert layers[2].weight is not shared and torch.equal(layers[2].weight, shared)
     assert layers[2].weight.data_ptr() != shared.data_ptr()
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="this machine grants no huge pages")
+def test_small_page_heads_keep_only_the_first_blocks_out_of_huge_pages():
+    """The 2 MiB-aligned range around each plane's first bytes is advised no-huge-page (the
+    first requests' KV faults in small pages); the rest of the buffer stays huge-page advised
+    and gets huge pages; values are untouched."""
+    planes = huge_page_zeros([(2 * _BIG,)] * 3)               # three 12 MiB planes
+    assert huge_pages.small_page_heads(planes, nbytes=64 * 1024) == 3
+    for plane in planes:
+        assert "nh" in _vma_flags(plane.data_ptr())
+        far = plane[HUGE_PAGE_BYTES:]                       # 8 MiB past the plane's start
+        assert "hg" in _vma_flags(far.data_ptr()) and "nh" not in _vma_flags(far.data_ptr())
+        plane.fill_(2.0)
+        assert float(plane.sum()) == 2.0 * plane.numel()
+    assert huge_page_bytes(planes[0][HUGE_PAGE_BYTES:]) >= HUGE_PAGE_BYTES
+
+
+def test_engine_kv_planes_start_in_small_pages(default_model_path):
+    """The runner keeps the first blocks of every K/V plane in small pages (a fresh huge page
+    can take 10-17 ms to fault on a VM: the first token paid ~0.6 s for them)."""
+    from kvforge import LLM
+    llm = LLM(default_model_path, num_kv_blocks=4096)
+    caches = llm.engine.runner.kv_caches
+    if not huge_pages_available():
+        pytest.skip("this machine grants no huge pages")
+    for cache in caches:
+        for plane in cache.unbind(0):
+            assert "nh" in _vma_flags(plane.data_ptr())
+    middle = caches[0][0]
+    assert "hg" in _vma_flags(middle.data_ptr() + middle.numel() * 4 - HUGE_PAGE_BYTES // 2)

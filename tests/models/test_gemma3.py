@@ -262,6 +262,50 @@ def test_decode_stack_matches_python_layers(gemma_files, fmt):
     assert torch.equal(steps, torch.stack(one_step, 1))
 
 
+def test_quest_budget_covering_the_context_matches_hf(gemma_files):
+    """``--sparse-attention quest``: the full layers take QUEST's backend, the sliding ones keep
+    their window of 8 over QUEST's cache layout; with a budget above every context the decodes
+    stay dense, and the three schedules (chunks, preemption) match HF."""
+    from tests.helpers.engine_vs_hf import check_engine_matches_hf
+    hf, path, _ = gemma_files
+    check_engine_matches_hf(path, hf, "gemma3-quest", vocab_size=hf.config.vocab_size,
+                            sparse_attention="quest", sparse_token_budget=4096)
+
+
+def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
+    """With a budget of 2 blocks, decodes past it read QUEST's top blocks in the full layer
+    (layer 5 of 7: its index among the model's layers, so ``quest_dense_layers`` counts model
+    layers), never in the sliding ones; the pool's blocks all come back."""
+    from kvforge import LLM, SamplingParams
+    from kvforge.attention.quest import QuestAttentionBackend, WindowedQuestBackend
+    _, path, _ = gemma_files
+    llm = LLM(path, block_size=4, num_kv_blocks=96, sparse_attention="quest",
+              sparse_token_budget=8)
+    model = llm.engine.runner.model
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    kinds = [type(a) for a in attns]
+    assert kinds == [QuestAttentionBackend if t == F else WindowedQuestBackend
+                     for t in model.options.layer_types]
+    assert [a.layer_idx for a in attns if isinstance(a, QuestAttentionBackend)] == [5]
+    assert all(a.window.window == 8 for a in attns if isinstance(a, WindowedQuestBackend))
+    assert model.decode_stack() is None            # QUEST layers run the Python layers
+    sparse_layers = []
+    for name in ("_kernel_sparse_decode", "_sparse_decode"):
+        real = getattr(QuestAttentionBackend, name)
+
+        def spy(self, *args, _real=real, **kwargs):
+            sparse_layers.append(self.layer_idx)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(QuestAttentionBackend, name, spy)
+    prompts = [[5, 9, 90, 17] * 6, list(range(3, 60, 2))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert sparse_layers and set(sparse_layers) == {5}
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+
+
 def test_ngram_speculation_through_the_stack_matches_plain_greedy(gemma_files):
     """Verification rows of speculated tokens run through the compiled stack, each query token
     with its own causal length and, on the local layers, its own window of 8: prompts that

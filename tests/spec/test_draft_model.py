@@ -225,3 +225,21 @@ def test_cli_flags_reach_the_engine_config():
     from kvforge.config import EngineConfig
     with pytest.raises(ValueError, match="speculative_draft_min_confidence must be in"):
         EngineConfig(speculative_draft_min_confidence=1.5)
+
+
+def test_each_tokenizer_is_read_once_at_start(pair, monkeypatch):
+    """The engine, the draft's vocabulary check and its frequent-token head share one read of
+    each model's tokenizer (ModelSource.load_tokenizer): a 152k-token vocabulary is ~0.3 s."""
+    from kvforge.tokenizer import Tokenizer
+    target, draft, _ = pair
+    reads = []
+    real = Tokenizer.from_pretrained.__func__
+
+    def counting(cls, model_dir):
+        reads.append(os.path.abspath(model_dir))
+        return real(cls, model_dir)
+    monkeypatch.setattr(Tokenizer, "from_pretrained", classmethod(counting))
+    llm = LLM(target, speculative_method="draft", speculative_draft_model=draft,
+              num_speculative_tokens=3)
+    assert sorted(reads) == sorted([os.path.abspath(target), os.path.abspath(draft)])
+    assert llm.engine.tokenizer is not None
