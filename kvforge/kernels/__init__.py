@@ -5,9 +5,10 @@ a register-tiled linear kernel, paged decode attention, QUEST sparse decode, and
 ``cpu_kernels()`` builds the extension for the ISA ``KVFORGE_ISA`` selects (``isa.py``: AVX2 or
 AVX-512, the widest this CPU runs by default) on first use with ``torch.utils.cpp_extension``
 (g++ and ninja; ~1 minute once per ISA, then cached under ``~/.cache/kvforge/kernels``, and
-imported directly by later starts) and returns the module, or None when kernels are disabled (``KVFORGE_KERNELS=0``) or cannot be built
-here — callers then use plain PyTorch ops, so the engine runs (slower) without a compiler. The
-wrappers that pick kernel vs fallback are in ``ops.py``. Each ISA's build is a module of its own
+imported directly by later starts) and returns the module, or None when kernels are disabled
+(``KVFORGE_KERNELS=0``) or cannot be built here — callers then use plain PyTorch ops, so the
+engine runs (slower) without a compiler. The wrappers that pick kernel vs fallback are in
+``ops.py``. Each ISA's build is a module of its own
 (``kvforge_cpu_kernels_avx2``, ...), so one process can load both (the tests compare them).
 """
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _advised_buffer(nbytes: int) -> torch.Tensor:
 def small_page_heads(tensors: Sequence[torch.Tensor], nbytes: int = HUGE_PAGE_BYTES) -> int:
     """Keep the first ``nbytes`` of each (untouched, huge-page advised) tensor in 4 KiB pages:
     ``MADV_NOHUGEPAGE`` over the 2 MiB-aligned range that holds them. Returns how many ranges
-    were advised (0 where huge pages are off, or for tensors not in an advised buffer).
+    were advised (0 where huge pages are off: nothing to keep them from).
 
     For the KV pool: the block pool hands out block 0 first, so a new engine's first request
     writes the first blocks of every K/V plane, one fresh 2 MiB page per plane (60 for SmolLM2).

@@ -158,14 +158,22 @@ def test_backend_matches_streaming_reference(w, free_dead):
     backend.window, backend.rope_inv_freq, backend.query_tile = w, inv_freq, 4
     meta = AttentionMetadata.build(query_lens, context_lens, tables, B)
     out = backend.forward(q, k, v, cache, meta)
-    row = 0
-    for s, (ql, ctx) in enumerate(zip(query_lens, context_lens)):
-        for p in range(ctx, ctx + ql):
-            ref = streaming_reference(seqs[s]["q"][p], seqs[s]["k"], seqs[s]["v"], p, w,
-                                      inv_freq, D ** -0.5)
-            torch.testing.assert_close(out[row], ref, rtol=1e-9, atol=1e-9,
-                                       msg=lambda m: f"seq {s} position {p}: {m}")
-            row += 1
+    _assert_rows_match_reference(out, seqs, query_lens, context_lens, w, inv_freq)
+
+
+def _query_rows(query_lens, context_lens):
+    """(batch row, sequence, position) of every query, in batch order."""
+    rows = [(s, p) for s, (ql, ctx) in enumerate(zip(query_lens, context_lens))
+            for p in range(ctx, ctx + ql)]
+    return [(row, s, p) for row, (s, p) in enumerate(rows)]
+
+
+def _assert_rows_match_reference(out, seqs, query_lens, context_lens, w, inv_freq):
+    for row, s, p in _query_rows(query_lens, context_lens):
+        ref = streaming_reference(seqs[s]["q"][p], seqs[s]["k"], seqs[s]["v"], p, w,
+                                  inv_freq, D ** -0.5)
+        torch.testing.assert_close(out[row], ref, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m: f"seq {s} position {p}: {m}")
 
 
 def test_sink_shift_changes_the_output_past_the_window():
@@ -270,15 +278,9 @@ def test_window_over_quest_layout_matches_streaming_reference(w):
     assert backend.kv_cache_shape(num_blocks, B) == tuple(cache.shape)
     meta = AttentionMetadata.build(query_lens, context_lens, tables, B)
     out = backend.forward(q, k, v, cache, meta)
-    row = 0
-    for s, (ql, ctx) in enumerate(zip(query_lens, context_lens)):
-        for p in range(ctx, ctx + ql):
-            ref = streaming_reference(seqs[s]["q"][p], seqs[s]["k"], seqs[s]["v"], p, w,
-                                      inv_freq, D ** -0.5)
-            torch.testing.assert_close(out[row], ref, rtol=1e-9, atol=1e-9,
-                                       msg=lambda m: f"seq {s} position {p}: {m}")
-            torch.testing.assert_close(kv_slots(cache, KVH)[0, tables[s][p // B], p % B], k[row])
-            row += 1
+    _assert_rows_match_reference(out, seqs, query_lens, context_lens, w, inv_freq)
+    for row, s, p in _query_rows(query_lens, context_lens):
+        torch.testing.assert_close(kv_slots(cache, KVH)[0, tables[s][p // B], p % B], k[row])
     key_min, key_max = key_bounds(cache, KVH)
     last = tables[3][(123 + 1 - 1) // B]           # seq 3's token 123 opened or joined a block
     filled = kv_slots(cache, KVH)[0, last, :123 % B + 1]
