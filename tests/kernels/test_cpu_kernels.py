@@ -796,13 +796,15 @@ def test_a_finished_build_is_imported_without_torchs_loader(tmp_path):
     import json
     import subprocess
     import sys
-    if kernels.cpu_kernels() is None:
+    from kvforge.kernels.isa import selected_isa
+    isa = selected_isa()                     # what the fresh process below selects too
+    if kernels.cpu_kernels(isa) is None:     # built (and marked) by now
         pytest.skip("compiled kernels unavailable")
     code = ("import sys, torch; from kvforge.kernels import cpu_kernels; m = cpu_kernels(); "
             "print(m.__file__, 'torch.utils.cpp_extension' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out[1] == "False" and out[0].endswith(f"{kernels.cpu_kernels().__name__}.so")
+    assert out == [str(kernels._build_dir(isa) / f"kvforge_cpu_kernels_{isa}.so"), "False"]
     name = "kvforge_cpu_kernels_fake"
     library = tmp_path / f"{name}.so"
     library.write_bytes(b"not a shared library")
