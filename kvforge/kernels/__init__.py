@@ -89,9 +89,12 @@ def _mark_built(build_dir: Path, name: str) -> None:
     except OSError:                 # no library where torch's loader was asked to put it
         return
     tmp = build_dir / f"{_BUILT_MARKER}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"library": f"{name}.so", "size": stat.st_size,
-                               "mtime_ns": stat.st_mtime_ns}))
-    tmp.replace(build_dir / _BUILT_MARKER)
+    try:                            # an optimisation only: a start without it asks torch's loader
+        tmp.write_text(json.dumps({"library": f"{name}.so", "size": stat.st_size,
+                                   "mtime_ns": stat.st_mtime_ns}))
+        tmp.replace(build_dir / _BUILT_MARKER)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def build_kernels(isa: str):
