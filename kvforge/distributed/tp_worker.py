@@ -23,7 +23,7 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
 from kvforge.distributed.shm_allreduce import ShmAllReduce
-from kvforge.kernels.huge_pages import huge_page_zeros
+from kvforge.kernels.huge_pages import huge_page_zeros, small_page_heads
 
 
 @dataclass
@@ -105,8 +105,12 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
         elif kind == "init_cache":
             _, num_blocks, block_size = cmd
             shape = model.kv_cache_shape(num_blocks, block_size)
+            # as rank 0's pool (engine/model_runner.py): pages fault in as blocks are written
+            # (populating this rank's whole pool took ~3 s of the first request on a VM), the
+            # first blocks of every plane in small pages
             kv_caches = huge_page_zeros([shape] * model.num_layers, model.kv_cache_dtype(),
-                                        comm.device, populate=True)
+                                        comm.device)
+            small_page_heads([plane for cache in kv_caches for plane in cache.unbind(0)])
         elif kind == "shutdown":
             return
         else:
