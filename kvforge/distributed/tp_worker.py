@@ -23,7 +23,7 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
 from kvforge.distributed.shm_allreduce import ShmAllReduce
-from kvforge.kernels.huge_pages import huge_page_zeros, small_page_heads
+from kvforge.kernels.huge_pages import kv_pool_zeros
 
 
 @dataclass
@@ -104,13 +104,10 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
                 cache[:, dst] = cache[:, src]
         elif kind == "init_cache":
             _, num_blocks, block_size = cmd
-            shape = model.kv_cache_shape(num_blocks, block_size)
             # as rank 0's pool (engine/model_runner.py): pages fault in as blocks are written
-            # (populating this rank's whole pool took ~3 s of the first request on a VM), the
-            # first blocks of every plane in small pages
-            kv_caches = huge_page_zeros([shape] * model.num_layers, model.kv_cache_dtype(),
-                                        comm.device)
-            small_page_heads([plane for cache in kv_caches for plane in cache.unbind(0)])
+            # (populating this rank's whole pool took ~3 s of the first request on a VM)
+            kv_caches = kv_pool_zeros(model.kv_cache_shape(num_blocks, block_size),
+                                      model.num_layers, model.kv_cache_dtype(), comm.device)
         elif kind == "shutdown":
             return
         else:

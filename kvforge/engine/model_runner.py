@@ -16,7 +16,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.decode_steps import run_decode_steps
 from kvforge.engine.request import Request
 from kvforge.kernels.decode_stack import MAX_QUERY_LEN
-from kvforge.kernels.huge_pages import huge_page_zeros, small_page_heads
+from kvforge.kernels.huge_pages import kv_pool_zeros
 from kvforge.kernels.ops import KERNEL_KV_DTYPES
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
@@ -71,18 +71,16 @@ class ModelRunner:
         # Pages fault in as tokens are written, not at start: a 2 MiB page of one layer's K
         # holds hundreds of tokens, so a decode step rarely waits on a fault (~0.1 ms; 10-17 ms
         # on a VM whose host backs memory lazily), while populating the whole default 1 GiB
-        # pool cost ~1-8 s of every start and its RSS
-        self.kv_caches = huge_page_zeros([shape] * self.model.num_layers, cache_dtype, self.device)
+        # pool cost ~1-8 s of every start and its RSS. The first blocks of every plane (the
+        # first requests' KV) are in small pages: a fresh huge page can take 10-17 ms to fault
+        # on a VM (huge_pages.small_page_heads)
+        self.kv_caches = kv_pool_zeros(shape, self.model.num_layers, cache_dtype, self.device)
         self.draft_kv_caches = None
         if self.draft_model is not None:
             draft = self.draft_model
-            self.draft_kv_caches = huge_page_zeros(
-                [draft.kv_cache_shape(self.num_blocks, self.block_size)] * draft.num_layers,
+            self.draft_kv_caches = kv_pool_zeros(
+                draft.kv_cache_shape(self.num_blocks, self.block_size), draft.num_layers,
                 draft.kv_cache_dtype(), self.device)
-        # the first blocks of every plane (the first requests' KV) in small pages: a fresh huge
-        # page can take 10-17 ms to fault on a VM (huge_pages.small_page_heads)
-        small_page_heads([plane for cache in self.kv_caches + (self.draft_kv_caches or [])
-                          for plane in (cache.unbind(0) if cache.shape[0] == 2 else (cache,))])
         self.sampler = Sampler()
         # set (nonzero) by any thread to end a multi-step decode call after the step in flight
         # (LLMEngine.interrupt_decode_steps; engine/decode_steps.py)

@@ -124,6 +124,18 @@ def small_page_heads(tensors: Sequence[torch.Tensor], nbytes: int = HUGE_PAGE_BY
     return advised
 
 
+def kv_pool_zeros(shape: Sequence[int], num_layers: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """A KV pool of ``num_layers`` zero caches of ``shape`` (``huge_page_zeros``, layer after
+    layer: attention streams it), pages faulted in as blocks are written, with the first blocks
+    of every plane (``cache[0]`` / ``cache[1]`` of a two-plane cache, else the whole tensor) in
+    small pages (``small_page_heads``). The engine's runner and tensor-parallel workers."""
+    caches = huge_page_zeros([tuple(shape)] * num_layers, dtype, device)
+    small_page_heads([plane for cache in caches
+                      for plane in (cache.unbind(0) if cache.shape[0] == 2 else (cache,))])
+    return caches
+
+
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Bytes of huge pages (``AnonHugePages``) in the mapping that holds ``tensor``'s first
     element, from ``/proc/self/smaps``; 0 when unknown (not Linux, not a CPU tensor)."""

@@ -92,7 +92,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     its gather + SDPA path)."""
     ops = _kernel_for(q)
     if (ops is None or key_cache.dtype not in KERNEL_KV_DTYPES or not key_cache.is_cpu
-            or value_cache.dtype is not key_cache.dtype or not value_cache.is_cpu or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2] or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
+            or value_cache.dtype is not key_cache.dtype or not value_cache.is_cpu
+            or q.stride(2) != 1 or q.shape[1] % key_cache.shape[2]
+            or key_cache.stride(3) != 1 or value_cache.stride(3) != 1
             or block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64
             or block_tables.stride(1) != 1 or not seq_lens.is_contiguous()):
         return None
