@@ -252,8 +252,9 @@ class WindowedQuestBackend(WindowedAttentionBackend):
     every layer of a model shares one cache layout, and the global layers' is QUEST's).
 
     The window's keys are few (Gemma 3: 512), so nothing is selected: the step writes K/V and
-    bounds as QUEST does and attends over the window as ``windowed`` does, its gather reading
-    each key's KV-head rows in the head-major layout (the block diagram above)::
+    bounds as QUEST does and attends over the window as ``windowed`` does: decodes through the
+    compiled kernel over ``kv_slots`` (strided), prefill through a gather reading each key's
+    KV-head rows in the head-major layout (the block diagram above)::
 
         slot s = block b * B + offset o  ->  row of KV head h = b * KVH * (B + 1) + h * B + o
     """
@@ -266,7 +267,9 @@ class WindowedQuestBackend(WindowedAttentionBackend):
         store_quest_kv(self, q, k, v, kv_cache, meta)
 
     def _window_decodes(self, q, kv_cache, meta, window, out) -> bool:
-        return False            # the compiled paged kernel reads the token-major layout only
+        # the compiled kernel over the slots in the paged order (strided: kv_slots)
+        return super()._window_decodes(q, kv_slots(kv_cache, self.num_kv_heads), meta, window,
+                                       out)
 
     def _gather_kv(self, kv_cache: torch.Tensor,
                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

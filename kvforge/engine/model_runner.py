@@ -15,7 +15,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.config import EngineConfig
 from kvforge.engine.decode_steps import run_decode_steps
 from kvforge.engine.request import Request
-from kvforge.kernels.decode_stack import MAX_QUERY_LEN
+from kvforge.kernels.decode_stack import stack_query_limit
 from kvforge.kernels.huge_pages import kv_pool_zeros
 from kvforge.kernels.ops import KERNEL_KV_DTYPES
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -270,7 +270,7 @@ class ModelRunner:
         """Longest query run the model's compiled decode stack takes (None: no stack)."""
         if self._stack_limit is _UNSET:
             stack = self.model.decode_stack() if hasattr(self.model, "decode_stack") else None
-            self._stack_limit = (MAX_QUERY_LEN if stack is not None
+            self._stack_limit = (stack_query_limit(stack) if stack is not None
                                  and self.kv_caches[0].dtype in KERNEL_KV_DTYPES else None)
         return self._stack_limit
 

@@ -4,10 +4,12 @@ Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (pa
 kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
 too), GGUF blocks (``quant/gguf.py``: the stack runs their kernels itself) or other quantized
 ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
-without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend`` (not QUEST or
-StreamingLLM windows; Gemma 3's local layers: their plain window) over a contiguous KV cache of
-fp32 or fp8 K/V (``quant/fp8_kv.py`` with unit scales: the stack rounds the new K/V to fp8 as
-the Python backends' cast does). Anything else returns None and the model runs its Python
+without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend`` (not StreamingLLM
+windows; Gemma 3's local layers: their plain window) over a contiguous KV cache of fp32 or fp8
+K/V (``quant/fp8_kv.py`` with unit scales: the stack rounds the new K/V to fp8 as the Python
+backends' cast does), or QUEST's backends on every layer (``attention/quest.py``: its fp32
+head-major cache, key bounds written by the stack, QUEST's selection on the sparse layers; steps
+of one query token per sequence). Anything else returns None and the model runs its Python
 layers, which remain the reference (tests compare the two).
 """
 from __future__ import annotations
@@ -35,19 +37,38 @@ def _stack_mlp_and_projections_ok(layer, activations: tuple[str, ...]) -> bool:
                    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
 
-def _stack_attention_ok(backend, windowed: bool) -> bool:
-    """``backend`` is plain paged attention (``windowed``: a windowed one, whose window the
-    caller checks) over fp32 K/V, or the same over fp8 K/V with unit scales."""
+def _stack_attention_kind(backend, windowed: bool) -> str | None:
+    """How the stack runs ``backend``: "paged" for plain paged attention (``windowed``: a
+    windowed one, whose window the caller checks) over fp32 K/V or fp8 K/V with unit scales,
+    "quest" for QUEST's backends (their head-major cache); None when it cannot."""
     from kvforge.attention.paged import PagedAttentionBackend
+    from kvforge.attention.quest import QuestAttentionBackend, WindowedQuestBackend
     from kvforge.attention.windowed import WindowedAttentionBackend
     from kvforge.quant import fp8_kv
+    if type(backend) is (WindowedQuestBackend if windowed else QuestAttentionBackend):
+        return "quest"
     allowed = ((WindowedAttentionBackend, fp8_kv.WindowedFP8E4M3Backend,
                 fp8_kv.WindowedFP8E5M2Backend) if windowed else
                (PagedAttentionBackend, fp8_kv.PagedFP8E4M3Backend, fp8_kv.PagedFP8E5M2Backend))
     if type(backend) not in allowed:
-        return False
-    return not isinstance(backend, fp8_kv.FP8KVCache) or (backend.k_scale == backend.v_scale
-                                                         == 1.0)
+        return None
+    unit = not isinstance(backend, fp8_kv.FP8KVCache) or backend.k_scale == backend.v_scale == 1.0
+    return "paged" if unit else None
+
+
+def _configure_quest(stack, backends: list) -> None:
+    """QUEST on the stack when the layers' backends are QUEST's (``_stack_attention_kind``
+    "quest" for every layer; the caller checked they agree): which layers select blocks, and
+    the budget ``configure_quest`` gave them."""
+    from kvforge.attention.quest import QuestAttentionBackend
+    quest = [b for b in backends if isinstance(b, QuestAttentionBackend)]
+    if not quest:
+        return
+    budgets = {b.token_budget for b in quest}
+    if len(budgets) != 1:
+        raise ValueError(f"QUEST backends with different token budgets: {sorted(budgets)}")
+    stack.set_quest([isinstance(b, QuestAttentionBackend) and b.is_sparse_layer
+                     for b in backends], budgets.pop())
 
 
 def _stack_projections(model) -> list[tuple]:
@@ -85,10 +106,11 @@ def build_llama_decode_stack(model):
     rotary = inner.rotary_emb
     if rotary.rotary_dim != rotary.head_dim or rotary.cos_sin_table.device.type != "cpu":
         return None
-    norm_eps = None
+    norm_eps, kinds = None, set()
     for layer in inner.layers:
-        if (not _stack_attention_ok(layer.self_attn.attn, windowed=False)
-                or not _stack_mlp_and_projections_ok(layer, ("silu", "swish"))):
+        kinds.add(_stack_attention_kind(layer.self_attn.attn, windowed=False))
+        if None in kinds or len(kinds) > 1 or not _stack_mlp_and_projections_ok(
+                layer, ("silu", "swish")):
             return None
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, inner.norm.eps}
         if len(eps) != 1 or (norm_eps is not None and eps != {norm_eps}):
@@ -101,8 +123,10 @@ def build_llama_decode_stack(model):
         layers.append([layer.input_layernorm.weight, qkv, qkv_bias, o, o_bias,
                        layer.post_attention_layernorm.weight, gate_up, down])
     first = inner.layers[0].self_attn
-    return ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
-                           first.num_kv_heads, first.head_dim, float(first.attn.scale))
+    stack = ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
+                            first.num_kv_heads, first.head_dim, float(first.attn.scale))
+    _configure_quest(stack, [layer.self_attn.attn for layer in inner.layers])
+    return stack
 
 
 def build_gemma3_decode_stack(model):
@@ -121,18 +145,18 @@ def build_gemma3_decode_stack(model):
     for rotary in (inner.rotary_local, inner.rotary_global):
         if rotary.head_dim != first.head_dim or rotary.inv_freq.device.type != "cpu":
             return None
-    window, eps_all = 0, set()
+    window, eps_all, kinds = 0, set(), set()
     for layer in inner.layers:
         attn = layer.self_attn
         backend = attn.attn
+        kinds.add(_stack_attention_kind(backend, windowed=layer.layer_type == SLIDING))
+        if None in kinds or len(kinds) > 1:     # one cache layout for every layer
+            return None
         if layer.layer_type == SLIDING:
             w = getattr(backend, "window", None)
-            if (not _stack_attention_ok(backend, windowed=True) or w is None or w.sinks != 0
-                    or (window and w.window != window)):
+            if w is None or w.sinks != 0 or (window and w.window != window):
                 return None
             window = w.window
-        elif not _stack_attention_ok(backend, windowed=False):
-            return None
         if not _stack_mlp_and_projections_ok(layer, ("gelu_pytorch_tanh", "gelu_new")):
             return None
         eps_all |= {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm,
@@ -157,9 +181,11 @@ def build_gemma3_decode_stack(model):
                        scale(layer.post_attention_layernorm),
                        scale(layer.post_feedforward_layernorm), window if sliding else 0,
                        1 if sliding else 0])
-    return ops.DecodeStack(layers, scale(inner.norm), float(eps_all.pop()), first.num_heads,
-                           first.num_kv_heads, first.head_dim, float(first.attn.scale),
-                           activation=1, extras=extras)
+    stack = ops.DecodeStack(layers, scale(inner.norm), float(eps_all.pop()), first.num_heads,
+                            first.num_kv_heads, first.head_dim, float(first.attn.scale),
+                            activation=1, extras=extras)
+    _configure_quest(stack, [layer.self_attn.attn for layer in inner.layers])
+    return stack
 
 
 def kernel_weight(linear):
@@ -184,8 +210,15 @@ def kernel_weight(linear):
 MAX_QUERY_LEN = 16
 
 
-def stack_handles_step(meta) -> bool:
-    return meta.num_seqs > 0 and max(meta.query_lens_list) <= MAX_QUERY_LEN
+def stack_query_limit(stack) -> int:
+    """Longest query run per sequence ``stack`` takes: QUEST's stack one (decodes; a
+    verification row's keys would be chosen for it alone, where QUEST's backend attends
+    densely), any other ``MAX_QUERY_LEN``."""
+    return 1 if stack.quest else MAX_QUERY_LEN
+
+
+def stack_handles_step(meta, stack) -> bool:
+    return meta.num_seqs > 0 and max(meta.query_lens_list) <= stack_query_limit(stack)
 
 
 def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -682,12 +682,87 @@ def test_fp8_kv_decode_stack_matches_python_layers(compiled, tiny_model_factory,
 
 
 def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
+    """StreamingLLM sinks + window on a Llama: its windowed backend is not one the stack runs."""
     from kvforge.engine.llm import LLM
     from kvforge.kernels.decode_stack import build_llama_decode_stack
     hf_dir, _ = tiny_model_factory("llama")
-    llm = LLM(hf_dir, num_kv_blocks=16, block_size=16, sparse_attention="quest",
-              sparse_token_budget=16)
+    llm = LLM(hf_dir, num_kv_blocks=16, block_size=16, attention_sinks=4, sliding_window=32)
     assert build_llama_decode_stack(llm.engine.runner.model) is None
+
+
+def _spy_quest_python_decodes(monkeypatch) -> list:
+    """Layer index of every QUEST sparse decode the Python backend runs (either path)."""
+    from kvforge.attention.quest import QuestAttentionBackend
+    seen = []
+    for name in ("_kernel_sparse_decode", "_sparse_decode"):
+        real = getattr(QuestAttentionBackend, name)
+
+        def spy(self, *args, _real=real, **kwargs):
+            seen.append(self.layer_idx)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(QuestAttentionBackend, name, spy)
+    return seen
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_quest_decode_stack_matches_python_layers(compiled, tiny_model_factory, monkeypatch,
+                                                  threads):
+    """QUEST through the compiled stack: the head-major cache, the bounds it writes and the
+    top blocks of the sparse layers (budget 2 blocks of 4, the first layer dense) give the
+    Python layers' tokens and logprobs (their sparse decodes through PyTorch, kernels off),
+    one step at a time and in multi-step calls (no logprobs), on 1-3 threads (a team of 3
+    leaves one thread no KV head); the stack took every decode (no Python sparse decode)."""
+    from kvforge.engine.llm import LLM
+    from kvforge.sampling_params import SamplingParams
+    hf_dir, _ = tiny_model_factory("qwen2")
+    prompts = [list(range(100, 150)), [5, 17, 300, 42] * 9, [7] * 19]   # 50, 36, 19 tokens
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        llm = LLM(hf_dir, num_kv_blocks=128, block_size=4, num_threads=threads,
+                  sparse_attention="quest", sparse_token_budget=8, quest_dense_layers=1)
+        stack = llm.engine.runner.model.decode_stack()
+        assert stack is not None and stack.quest
+        with monkeypatch.context() as m:
+            sparse_in_python = _spy_quest_python_decodes(m)
+            on, on_lp = _greedy(llm, prompts, max_tokens=12)
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            multi = [o.outputs[0].token_ids
+                     for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert sparse_in_python == []
+            _kernels_off(llm, m)
+            off, off_lp = _greedy(llm, prompts, max_tokens=12)
+            assert sparse_in_python and set(sparse_in_python) == {1}   # layer 0 is dense
+        assert on == off == multi
+        for a, b in zip(on_lp, off_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+        llm.engine.check_integrity()
+        assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+def test_quest_stack_selects_blocks(compiled, tiny_model_factory):
+    """The stack's QUEST layers really attend to fewer blocks: with a budget of 2 blocks the
+    logprobs move away from the dense stack's (budget above every context), which equals plain
+    paged attention's."""
+    from kvforge.engine.llm import LLM
+    hf_dir, _ = tiny_model_factory("qwen2")
+    prompts = [list(range(100, 150)), [5, 17, 300, 42] * 9]
+    runs = {}
+    for name, options in (("paged", {}),
+                          ("dense", {"sparse_attention": "quest", "sparse_token_budget": 4096}),
+                          ("sparse", {"sparse_attention": "quest", "sparse_token_budget": 8,
+                                      "quest_dense_layers": 0})):
+        llm = LLM(hf_dir, num_kv_blocks=128, block_size=4, **options)
+        runs[name] = _greedy(llm, prompts, max_tokens=8)[1]
+        assert llm.engine.runner.model.decode_stack() is not None
+    for a, b in zip(runs["dense"], runs["paged"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    gap = max(abs(x - y) for a, b in zip(runs["sparse"], runs["dense"]) for x, y in zip(a, b))
+    assert gap > 1e-3
 
 
 @needs_kernels

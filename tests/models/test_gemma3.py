@@ -275,8 +275,11 @@ def test_quest_budget_covering_the_context_matches_hf(gemma_files):
 def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
     """With a budget of 2 blocks, decodes past it read QUEST's top blocks in the full layer
     (layer 5 of 7: its index among the model's layers, so ``quest_dense_layers`` counts model
-    layers), never in the sliding ones; the pool's blocks all come back."""
+    layers), never in the sliding ones. The compiled stack runs them (QUEST's layout on every
+    layer, the sliding layers' window over it) with the Python layers' tokens; the pool's
+    blocks all come back."""
     from kvforge import LLM, SamplingParams
+    from kvforge import kernels
     from kvforge.attention.quest import QuestAttentionBackend, WindowedQuestBackend
     _, path, _ = gemma_files
     llm = LLM(path, block_size=4, num_kv_blocks=96, sparse_attention="quest",
@@ -288,7 +291,8 @@ def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
                      for t in model.options.layer_types]
     assert [a.layer_idx for a in attns if isinstance(a, QuestAttentionBackend)] == [5]
     assert all(a.window.window == 8 for a in attns if isinstance(a, WindowedQuestBackend))
-    assert model.decode_stack() is None            # QUEST layers run the Python layers
+    stack = model.decode_stack()
+    assert (stack is not None and stack.quest) or kernels.cpu_kernels() is None
     sparse_layers = []
     for name in ("_kernel_sparse_decode", "_sparse_decode"):
         real = getattr(QuestAttentionBackend, name)
@@ -298,9 +302,15 @@ def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(QuestAttentionBackend, name, spy)
     prompts = [[5, 9, 90, 17] * 6, list(range(3, 60, 2))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert sparse_layers == [] or stack is None          # the stack took the decodes
+    # the Python layers (no stack): the same tokens, sparse decodes in layer 5 only
+    monkeypatch.setattr(model, "_decode_stack", None)
+    monkeypatch.setattr(llm.engine.runner, "_stack_limit", None)
+    python = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in python] == [o.outputs[0].token_ids for o in outs]
     assert sparse_layers and set(sparse_layers) == {5}
     llm.engine.check_integrity()
     assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks

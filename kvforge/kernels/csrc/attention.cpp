@@ -29,7 +29,7 @@ using Partial = DecodeAttentionPlan::Partial;
 // Every row of one block that a task reads: KV heads [kv0, kv1), runs of dim floats per slot
 // (adjacent in the token-major paged layout, B x dim runs apart in QUEST's head-major one).
 inline void prefetch_block(const PagedKV& plane, int64_t block_id, int64_t kv0, int64_t kv1) {
-  const int64_t bytes = plane.format == KVFormat::kF32 ? 4 : 1;     // per element
+  const int64_t bytes = kv_element_bytes(plane.format);
   const char* base = static_cast<const char*>(plane.data) + block_id * plane.block_stride * bytes;
   for (int64_t t = 0; t < plane.block_size; ++t)
     for (int64_t h = kv0; h < kv1; ++h)

@@ -27,6 +27,7 @@
 // between the projections still runs here.
 #include "kernels.h"
 
+#include <memory>
 #include <optional>
 
 namespace kvforge {
@@ -159,6 +160,7 @@ struct LayerWeights {
   at::Tensor q_norm, k_norm, post_attn, post_ffn;
   int64_t window = 0;
   int rope = 0;
+  bool quest_sparse = false;      // QUEST selects this layer's blocks (set_quest)
 };
 
 // The MLP's gate activation.
@@ -220,6 +222,23 @@ class DecodeStack {
 
   // the windowed layers' window (0: none; every windowed layer has the same)
   int64_t window() const { return window_; }
+  bool quest() const { return quest_; }
+
+  // QUEST (attention/quest.py): every layer's cache is QUEST's head-major layout with its key
+  // bounds ([2, num_blocks, KVH * (B + 1), D], fp32; quest.cpp has the map); the stack writes
+  // K/V and the written blocks' bounds there, and a layer in `sparse_layers` attends over its
+  // top token_budget / B blocks (QuestDecodePlan) in a step whose longest row is past
+  // token_budget -- the rule of QuestAttentionBackend.forward, whose kernels these are. Steps
+  // of one query token per sequence only (a verification row's keys would be chosen for it
+  // alone, where the Python backend attends densely; kernels/decode_stack.py keeps those off).
+  void set_quest(std::vector<bool> sparse_layers, int64_t token_budget) {
+    TORCH_CHECK(sparse_layers.size() == layers_.size(), "set_quest: one flag per layer, got ",
+                sparse_layers.size(), " for ", layers_.size(), " layers");
+    TORCH_CHECK(token_budget >= 1, "token_budget must be >= 1, got ", token_budget);
+    for (size_t l = 0; l < layers_.size(); ++l) layers_[l].quest_sparse = sparse_layers[l];
+    quest_ = true;
+    quest_budget_ = token_budget;
+  }
 
   // hidden [n, hidden] (token embeddings) -> final-normed hidden [n, hidden]
   // cos_local / sin_local: the second RoPE's rows (Gemma's local layers), when layers use it
@@ -267,8 +286,9 @@ class DecodeStack {
     const Rope local = two_ropes ? Rope{cos_local->data_ptr<float>(), cos_local->stride(0),
                                         sin_local->data_ptr<float>(), sin_local->stride(0)}
                                  : global;
+    const auto quest = quest_plan(lens, n, tables, table_stride, num_slots, block_size);
     const Step step{kv_caches, slots, tables, table_stride, lens, {global, local}, num_slots,
-                    block_size, n, format};
+                    block_size, n, format, quest.get()};
     return team_runs_all(n) ? forward_team(hidden, step) : forward_ops(hidden, step);
   }
 
@@ -430,9 +450,12 @@ class DecodeStack {
     TORCH_CHECK(vocab >= threads, "vocab ", vocab, " smaller than the team");   // argmax parts
     // per step: the plan over every key, and over the window's keys (windowed layers)
     std::vector<DecodeAttentionPlan> plans, window_plans;
+    std::vector<std::unique_ptr<QuestDecodePlan>> quest_plans;     // null: dense this step
     plans.reserve(steps);
     window_plans.reserve(steps);
     for (int64_t s = 0; s < steps; ++s) {
+      quest_plans.push_back(quest_plan(lens.data() + s * n, n, tables, table_stride, num_slots,
+                                       block_size));
       plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads);
       if (window_ > 0)
         window_plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads,
@@ -463,7 +486,7 @@ class DecodeStack {
         }
         const Step st{kv_caches, slots.data() + s * n, tables, table_stride,
                       lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
-                      block_size, n, format};
+                      block_size, n, format, quest_plans[s].get()};
         ShareClaim* claim = claims.data() + s * step_claims;
         DecodeAttentionPlan* step_plans[2] = {&plans[s],
                                               window_ > 0 ? &window_plans[s] : &plans[s]};
@@ -520,7 +543,54 @@ class DecodeStack {
     int64_t num_slots, block_size;
     int64_t n;                     // rows (sequences) this step
     KVFormat format;               // the caches' K/V elements
+    QuestDecodePlan* quest;        // QUEST's selection this step (sparse layers), or null
   };
+
+  // The step's QUEST plan when its longest row is past the budget (quest_), else null.
+  std::unique_ptr<QuestDecodePlan> quest_plan(const int64_t* lens, int64_t n,
+                                              const int64_t* tables, int64_t table_stride,
+                                              int64_t num_slots, int64_t block_size) const {
+    if (!quest_ || n == 0 || *std::max_element(lens, lens + n) <= quest_budget_) return nullptr;
+    return std::make_unique<QuestDecodePlan>(
+        lens, n, tables, table_stride, heads_, kv_heads_, head_dim_, block_size,
+        num_slots / block_size, std::max<int64_t>(1, quest_budget_ / block_size));
+  }
+
+  // One layer's K and V planes as the attention kernels read them: the token-major paged
+  // layout [2, num_blocks, B, KVH, D] (attention.cpp), or QUEST's head-major one (quest.cpp)
+  std::pair<PagedKV, PagedKV> kv_planes(char* cache, const Step& st) const {
+    if (quest_) {
+      const QuestLayout q(st.num_slots / st.block_size, kv_heads_, st.block_size, head_dim_);
+      const float* f = reinterpret_cast<const float*>(cache);
+      return {PagedKV{f, q.block_stride, head_dim_, q.head_stride, st.block_size, head_dim_},
+              PagedKV{f + q.plane, q.block_stride, head_dim_, q.head_stride, st.block_size,
+                      head_dim_}};
+    }
+    const int64_t kv_row = kv_heads_ * head_dim_, plane = st.num_slots * kv_row;
+    return {PagedKV{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size, head_dim_,
+                    st.format},
+            PagedKV{cache + plane * kv_element_bytes(st.format), st.block_size * kv_row, kv_row,
+                    head_dim_, st.block_size, head_dim_, st.format}};
+  }
+
+  // Row t's K/V of KV heads [h0, h1) into its slot (k: head h0's K; its V heads kv_row floats
+  // on); QUEST: then the slot's block bounds of those heads over slots 0 .. this one
+  void store_row(char* cache, const Step& st, int64_t t, const float* k, int64_t h0,
+                 int64_t h1) const {
+    const int64_t kv_row = kv_heads_ * head_dim_;
+    if (quest_) {
+      float* f = reinterpret_cast<float*>(cache);
+      const QuestLayout q(st.num_slots / st.block_size, kv_heads_, st.block_size, head_dim_);
+      const int64_t b = st.slots[t] / st.block_size, off = st.slots[t] % st.block_size;
+      quest_store_heads(f, q, head_dim_, b, off, k, k + kv_row, h0, h1);
+      for (int64_t h = h0; h < h1; ++h) quest_block_bounds(f, q, head_dim_, b, h, off);
+      return;
+    }
+    const int64_t bytes = kv_element_bytes(st.format);
+    const int64_t slot = st.slots[t] * kv_row + h0 * head_dim_, plane = st.num_slots * kv_row;
+    store_kv(cache + slot * bytes, k, (h1 - h0) * head_dim_, st.format);
+    store_kv(cache + (plane + slot) * bytes, k + kv_row, (h1 - h0) * head_dim_, st.format);
+  }
 
   // Gemma 3's per-layer parts: [q_norm, k_norm, post_attn, post_ffn, window, rope]
   void set_extras(LayerWeights& w, const std::vector<pybind11::object>& e) {
@@ -602,6 +672,19 @@ class DecodeStack {
     for (const auto& cache : kv_caches) {
       TORCH_CHECK(kv_format_of(cache, "kv_cache") == format,
                   "every layer's kv cache must have the same dtype");
+      if (quest_) {
+        TORCH_CHECK(format == KVFormat::kF32 && cache.dim() == 4 && cache.size(0) == 2 &&
+                        cache.size(2) % kv_heads_ == 0 && cache.size(2) / kv_heads_ >= 2 &&
+                        cache.size(3) == head_dim_ && cache.is_contiguous(),
+                    "QUEST kv_cache must be contiguous fp32 [2, num_blocks, kv_heads * "
+                    "(block_size + 1), head_dim]");
+        const int64_t block = cache.size(2) / kv_heads_ - 1;
+        TORCH_CHECK(num_slots < 0 || num_slots == cache.size(1) * block,
+                    "every layer's kv cache must have the same blocks");
+        num_slots = cache.size(1) * block;
+        block_size = block;
+        continue;
+      }
       TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads_ &&
                       cache.size(4) == head_dim_ && cache.is_contiguous(),
                   "kv_cache must be contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
@@ -639,8 +722,8 @@ class DecodeStack {
         : residual(n * hidden), h(n * hidden), act(n * inter), post(n * hidden) {}
   };
   // per layer: claims of qkv, attention tasks, merges, o, gate_up, down, CATS' up, then the
-  // rotations of sparse qkv, o, gate_up, down (a thread each)
-  static constexpr int kWorks = 11;
+  // rotations of sparse qkv, o, gate_up, down (a thread each), QUEST's bounds and selects
+  static constexpr int kWorks = 13;
   static constexpr int kRotationWorks = 7;
 
   int64_t widest_mlp() const {            // Llama's MLPs are all alike; take the widest
@@ -707,8 +790,6 @@ class DecodeStack {
                      claim + kRotationWorks * threads);
       team.barrier();
       char* cache = static_cast<char*>(st.kv_caches[l].data_ptr());
-      const int64_t plane = st.num_slots * kv_row;     // K plane, then V plane (elements)
-      const int64_t bytes = st.format == KVFormat::kF32 ? 4 : 1;   // per element
       float* my_q = qkv_p + h0 * head_dim_;
       float* my_k = qkv_p + q_width + k0 * head_dim_;            // my V heads: + kv_row
       if (w.q_norm.defined())
@@ -721,30 +802,48 @@ class DecodeStack {
       const int64_t cs = rope.cos_stride, ss = rope.sin_stride;
       rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0, head_dim_);
       rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0, head_dim_);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* k = my_k + t * qkv_width;
-        const int64_t slot = st.slots[t] * kv_row + k0 * head_dim_;
-        store_kv(cache + slot * bytes, k, (k1 - k0) * head_dim_, st.format);
-        store_kv(cache + (plane + slot) * bytes, k + kv_row, (k1 - k0) * head_dim_, st.format);
-      }
+      for (int64_t t = 0; t < n; ++t) store_row(cache, st, t, my_k + t * qkv_width, k0, k1);
       team.barrier();
-      const PagedKV keys{cache, st.block_size * kv_row, kv_row, head_dim_, st.block_size,
-                         head_dim_, st.format};
-      const PagedKV values{cache + plane * bytes, st.block_size * kv_row, kv_row, head_dim_,
-                           st.block_size, head_dim_, st.format};
-      DecodeAttentionPlan& plan = *plans[w.window > 0 ? 1 : 0];
-      team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
-                      [&](int64_t t0, int64_t t1, int64_t) {
-        for (int64_t t = t0; t < t1; ++t)
-          plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables, st.table_stride,
-                        scale_, attn_p, pv.scores);
-      });
-      if (plan.num_merges() > 0) {
-        team.barrier();
-        team.for_shares(plan.num_merges(), 1, claim + 2 * threads,
-                        [&](int64_t i0, int64_t i1, int64_t) {
-          for (int64_t i = i0; i < i1; ++i) plan.merge(i, attn_p);
+      if (st.quest != nullptr && w.quest_sparse) {       // QUEST's four phases
+        QuestDecodePlan& qp = *st.quest;
+        const float* fc = reinterpret_cast<const float*>(cache);
+        team.for_shares(qp.num_bound_tasks(), 1, claim + 11 * threads,
+                        [&](int64_t t0, int64_t t1, int64_t) {
+          for (int64_t t = t0; t < t1; ++t) qp.bound_task(t, qkv_p, qkv_width, head_dim_, fc);
         });
+        team.barrier();
+        team.for_shares(qp.num_items(), 1, claim + 12 * threads,
+                        [&](int64_t i0, int64_t i1, int64_t) {
+          thread_local std::vector<int64_t> order;
+          for (int64_t i = i0; i < i1; ++i) qp.select(i, order);
+        });
+        team.barrier();
+        team.for_shares(qp.num_attend_tasks(), 1, claim + 1 * threads,
+                        [&](int64_t t0, int64_t t1, int64_t) {
+          for (int64_t t = t0; t < t1; ++t)
+            qp.attend_task(t, qkv_p, qkv_width, head_dim_, fc, scale_, pv.scores);
+        });
+        team.barrier();
+        team.for_shares(qp.num_items(), 1, claim + 2 * threads,
+                        [&](int64_t i0, int64_t i1, int64_t) {
+          for (int64_t i = i0; i < i1; ++i) qp.merge(i, attn_p);
+        });
+      } else {
+        const auto [keys, values] = kv_planes(cache, st);
+        DecodeAttentionPlan& plan = *plans[w.window > 0 ? 1 : 0];
+        team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
+                        [&](int64_t t0, int64_t t1, int64_t) {
+          for (int64_t t = t0; t < t1; ++t)
+            plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables,
+                          st.table_stride, scale_, attn_p, pv.scores);
+        });
+        if (plan.num_merges() > 0) {
+          team.barrier();
+          team.for_shares(plan.num_merges(), 1, claim + 2 * threads,
+                          [&](int64_t i0, int64_t i1, int64_t) {
+            for (int64_t i = i0; i < i1; ++i) plan.merge(i, attn_p);
+          });
+        }
       }
       team.barrier();
       run_projection(w.o, sp ? sp->o : nullptr, attn_p, q_width, o_p, n, team,
@@ -813,8 +912,6 @@ class DecodeStack {
   at::Tensor forward_ops(const at::Tensor& hidden, const Step& st) {
     const int64_t n = hidden.size(0);
     const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
-    const int64_t num_slots = st.num_slots, block_size = st.block_size;
-    const int64_t* slots = st.slots;
     const int64_t* tables = st.tables;
     const int64_t table_stride = st.table_stride;
     const int64_t* lens = st.lens;
@@ -845,19 +942,16 @@ class DecodeStack {
       rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, rope.cos, rope.cos_stride, rope.sin,
                   rope.sin_stride, n, heads_ + kv_heads_, head_dim_);
       char* cache = static_cast<char*>(kv_caches[l].data_ptr());
-      const int64_t plane = num_slots * kv_row;     // K plane, then V plane (elements)
-      const int64_t bytes = st.format == KVFormat::kF32 ? 4 : 1;   // per element
-      for (int64_t t = 0; t < n; ++t) {
-        const float* k = qkv_p + t * qkv_stride + q_width;
-        store_kv(cache + slots[t] * kv_row * bytes, k, kv_row, st.format);
-        store_kv(cache + (plane + slots[t] * kv_row) * bytes, k + kv_row, kv_row, st.format);
+      for (int64_t t = 0; t < n; ++t)
+        store_row(cache, st, t, qkv_p + t * qkv_stride + q_width, 0, kv_heads_);
+      if (st.quest != nullptr && w.quest_sparse) {
+        quest_attention(*st.quest, qkv_p, qkv_stride, head_dim_,
+                        reinterpret_cast<const float*>(cache), scale_, attn.data_ptr<float>());
+      } else {
+        const auto [keys, values] = kv_planes(cache, st);
+        decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens,
+                         n, heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window);
       }
-      const PagedKV keys{cache, block_size * kv_row, kv_row, head_dim_, block_size, head_dim_,
-                         st.format};
-      const PagedKV values{cache + plane * bytes, block_size * kv_row, kv_row, head_dim_,
-                           block_size, head_dim_, st.format};
-      decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens, n,
-                       heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window);
       at::Tensor o = w.o(attn);
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
       if (w.post_attn.defined())      // in place: o is this step's own tensor
@@ -896,6 +990,8 @@ class DecodeStack {
   float scale_;
   Activation activation_ = Activation::kSilu;
   int64_t window_ = 0;                     // the windowed layers' window (0: none)
+  bool quest_ = false;                     // QUEST's cache layout (set_quest)
+  int64_t quest_budget_ = 0;               // its token budget per sparse layer
   int ropes_ = 1;                          // RoPE tables the layers use (Gemma: 2)
 };
 
@@ -917,6 +1013,9 @@ void bind_decode_stack(pybind11::module& m) {
            pybind11::arg("sin_local") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("window", &DecodeStack::window)
+      .def_property_readonly("quest", &DecodeStack::quest)
+      .def("set_quest", &DecodeStack::set_quest, pybind11::arg("sparse_layers"),
+           pybind11::arg("token_budget"))
       .def("can_generate", &DecodeStack::can_generate)
       .def("set_sparsity", &DecodeStack::set_sparsity)
       .def("generate", &DecodeStack::generate,   // releases the GIL itself

@@ -244,6 +244,9 @@ void check_packed_weight(const at::Tensor& packed, int64_t in, int64_t out);
 // How a paged K/V plane stores its elements: fp32, or one byte of fp8 as torch stores
 // float8_e4m3fn / float8_e5m2 (quant/fp8_kv.py: the K/V rounded, a scale of 1)
 enum class KVFormat : int8_t { kF32 = 0, kE4M3 = 1, kE5M2 = 2 };
+inline int64_t kv_element_bytes(KVFormat format) {
+  return format == KVFormat::kF32 ? 4 : 1;
+}
 
 // The format of a cache tensor's dtype (fp32, float8_e4m3fn, float8_e5m2); throws for another
 KVFormat kv_format_of(const at::Tensor& cache, const char* name);
@@ -295,6 +298,46 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                       float scale, float* out, int64_t window = 0);
+
+// QUEST's sparse decode (quest.cpp has the head-major cache's map): one query token per
+// sequence; a sequence longer than k_blocks blocks attends to its current block and the
+// k_blocks - 1 others with the largest key bound, a shorter one to every block. Four phases,
+// each a set of independent work items (a barrier between phases), split finely enough to keep
+// every thread busy at batch 1; the same plan serves every layer of a step:
+//   1. bound tasks  (s, 64 blocks): q+ . kmax + q- . kmin of each block but the current one
+//   2. selects      (s, KV head): the chosen blocks' physical ids
+//   3. attend tasks (s, KV head, kChunk chosen keys): partial softmaxes
+//   4. merges       (s, KV head): out [n, heads, dim] (flash-decoding's merge)
+class QuestDecodePlan {
+ public:
+  QuestDecodePlan(const int64_t* seq_lens, int64_t num_seqs, const int64_t* block_tables,
+                  int64_t table_stride, int64_t heads, int64_t kv_heads, int64_t dim,
+                  int64_t block_size, int64_t num_blocks, int64_t k_blocks);
+  int64_t num_bound_tasks() const { return bound_task_.back(); }
+  int64_t num_items() const { return num_seqs_ * kv_heads_; }     // selects and merges
+  int64_t num_attend_tasks() const { return first_task_.back(); }
+  // q rows [n, heads, dim] (strides in floats); cache: one layer's [2, num_blocks, rows, dim]
+  void bound_task(int64_t t, const float* q, int64_t q_row_stride, int64_t q_head_stride,
+                  const float* cache);
+  void select(int64_t item, std::vector<int64_t>& order);
+  void attend_task(int64_t t, const float* q, int64_t q_row_stride, int64_t q_head_stride,
+                   const float* cache, float scale, std::vector<float>& scores);
+  void merge(int64_t item, float* out) const;
+
+ private:
+  static constexpr int64_t kBoundBlocks = 64;
+  const int64_t *seq_lens_, *tables_;
+  int64_t table_stride_, num_seqs_, heads_, kv_heads_, group_, dim_, block_, k_blocks_;
+  int64_t head_stride_ = 0, bounds_offset_ = 0, block_stride_ = 0, plane_ = 0;
+  std::vector<int64_t> num_logical_, bound_base_, bound_task_, chosen_, num_chosen_,
+      first_task_, keys_read_;
+  std::vector<char> sparse_;
+  std::vector<float> bounds_;
+  std::vector<DecodeAttentionPlan::Partial> parts_;
+};
+// every phase of `plan` through at::parallel_for
+void quest_attention(QuestDecodePlan& plan, const float* q, int64_t q_row_stride,
+                     int64_t q_head_stride, const float* cache, float scale, float* out);
 
 // ---- tensor ops (bindings.cpp) ------------------------------------------------------------
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
