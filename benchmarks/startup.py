@@ -9,7 +9,7 @@ builds ``LLM(model)`` with its defaults and generates one greedy token of a shor
 The phases, from the process's start time in /proc:
 
     python      interpreter start-up until the script runs
-    torch       ``import torch``
+    torch       ``import torch`` as kvforge's entry points do (``kvforge/torch_import.py``)
     engine      ``LLM(model)``: the GGUF header, the model (mapped blocks), the kernels'
                 module, the tokenizer, the KV pool, the scheduler
     first token the first ``generate`` (the prompt's prefill, the pages it touches first)
@@ -49,8 +49,12 @@ def worker(model: str, checkout: str | None) -> None:
     if checkout:            # another checkout's kvforge, not this environment's editable install
         sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
         sys.path.insert(0, checkout)
-    import importlib
-    importlib.import_module("torch")
+    try:                    # as kvforge's entry points import it (collector paused, frozen)
+        from kvforge.torch_import import import_torch_frozen
+    except ImportError:     # a checkout from before kvforge/torch_import.py: a plain import
+        def import_torch_frozen():
+            import torch  # noqa: F401
+    import_torch_frozen()
     t_torch = _since_start()
     from kvforge import LLM, SamplingParams
     llm = LLM(model)

@@ -6,6 +6,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # lazy: importing kvforge does not load torch-heavy modules
+    if name in ("LLM", "LLMEngine", "EngineConfig"):
+        from kvforge.torch_import import import_torch_frozen
+        import_torch_frozen()
     if name == "LLM":
         from kvforge.engine.llm import LLM
         return LLM

@@ -279,6 +279,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvforge.torch_import import import_torch_frozen
+    import_torch_frozen()            # the parser's imports load torch: load it frozen
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")

@@ -124,7 +124,9 @@ class LLMEngine:
                     self.runner.kv_bytes_per_token)
         # the long-lived objects made so far (tokenizer vocabularies, modules, the radix tree's
         # root) leave the collector's generations: a full collection walked them all, a visible
-        # share of a prefill-heavy run's time in perf (vLLM freezes after start-up for the same reason)
+        # share of a prefill-heavy run's time in perf (vLLM freezes after start-up for the same
+        # reason). Torch's own objects are frozen already where an entry point imported it
+        # (kvforge/torch_import.py), so this collection walks only kvforge's.
         gc.collect()
         gc.freeze()
 
