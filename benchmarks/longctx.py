@@ -27,8 +27,9 @@ so part 2 cannot compare QUEST with dense at long contexts; next-token accuracy 
 Part 4 (``--engine-decode``, any model, e.g. ``--model gemma-3-270m``): whole-model decode
 time per token at each ``--lengths`` context (The Tempest as the prompt, 32 greedy tokens),
 the engine as a user runs it without QUEST (its default path: the compiled decode stack where
-the model has one) against engines with ``--sparse-attention quest`` at each budget, in
-alternating rounds; and the tokens the QUEST engines share with the default one.
+the model has one) against engines with ``--sparse-attention quest`` at each budget (and with
+``--streaming S,W``, a StreamingLLM engine of S sinks and window W), in alternating rounds;
+and the tokens those engines share with the default one.
 
 Ends with one ``SUMMARY longctx:`` line.
 """
@@ -163,6 +164,8 @@ def main() -> None:
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--engine-decode", action="store_true",
                    help="part 4: decode per token, default engine vs QUEST engines")
+    p.add_argument("--streaming", default=None, metavar="S,W",
+                   help="part 4 also runs a StreamingLLM engine of S sinks and window W")
     p.add_argument("--rounds", type=int, default=2, help="part 4's alternating rounds")
     args = p.parse_args()
     setup_threads(args.threads)
@@ -279,6 +282,10 @@ def engine_decode(args) -> list[str]:
     for b in args.budgets:
         engines[f"quest {b}"] = LLM(args.model, sparse_attention="quest", sparse_token_budget=b,
                                     **common)
+    if args.streaming:
+        sinks, window = (int(x) for x in args.streaming.split(","))
+        engines[f"streaming {sinks}+{window}"] = LLM(args.model, attention_sinks=sinks,
+                                                     sliding_window=window, **common)
     text_ids = engines["default"].engine.tokenizer.encode(load_corpus("shakespeare"))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

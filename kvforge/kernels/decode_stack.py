@@ -4,9 +4,10 @@ Eligible: an fp32 model on CPU whose projections are fp32 ``Linear`` weights (pa
 kernels, see ``layers/linear.PackedLinearMethod``; the Python layers then use the packed weights
 too), GGUF blocks (``quant/gguf.py``: the stack runs their kernels itself) or other quantized
 ``Linear`` modules (called back: their own int8/int4 kernels), SwiGLU MLPs
-without bias, full-width NeoX rotary, the plain ``PagedAttentionBackend`` (not StreamingLLM
-windows; Gemma 3's local layers: their plain window) over a contiguous KV cache of fp32 or fp8
-K/V (``quant/fp8_kv.py`` with unit scales: the stack rounds the new K/V to fp8 as the Python
+without bias, full-width NeoX rotary, paged attention (``PagedAttentionBackend``, or the
+windowed one: a native sliding window, StreamingLLM's sinks + window with in-cache positions;
+Gemma 3's local layers: their plain window) over a contiguous KV cache of fp32 or fp8 K/V
+(``quant/fp8_kv.py`` with unit scales: the stack rounds the new K/V to fp8 as the Python
 backends' cast does), or QUEST's backends on every layer (``attention/quest.py``: its fp32
 head-major cache, key bounds written by the stack, QUEST's selection on the sparse layers; steps
 of one query token per sequence). Anything else returns None and the model runs its Python
@@ -54,6 +55,33 @@ def _stack_attention_kind(backend, windowed: bool) -> str | None:
         return None
     unit = not isinstance(backend, fp8_kv.FP8KVCache) or backend.k_scale == backend.v_scale == 1.0
     return "paged" if unit else None
+
+
+def _llama_windows(backends: list):
+    """The layers' attention windows as ``DecodeStack.set_windows`` takes them, ``(windows,
+    sinks, positions)``, or None when the stack cannot run them (windows that differ between
+    layers, sinks at true positions)."""
+    from kvforge.attention.windowed import WindowedAttentionBackend
+    found = {b.window for b in backends
+             if isinstance(b, WindowedAttentionBackend) and b.window is not None}
+    if len(found) > 1:
+        return None
+    window = found.pop() if found else None
+    if window is not None and window.sinks > 0 and not window.shifts_sinks:
+        return None
+    windows = [window.window if isinstance(b, WindowedAttentionBackend) and b.window is not None
+               else 0 for b in backends]
+    return windows, window
+
+
+def _sink_rope(rotary, window) -> torch.Tensor | None:
+    """cos, sin rows of positions 0 .. S + W - 1, ``[S + W, 2, head_dim]``: where StreamingLLM's
+    sinks are scored (attention/window.py: the query at c(p) = min(p, S + W - 1)); None when
+    no sinks shift."""
+    if window is None or not window.shifts_sinks:
+        return None
+    cos, sin = rotary.cos_sin(torch.arange(window.span))                  # [S + W, 1, D] each
+    return torch.cat([cos, sin], dim=1).float().contiguous()
 
 
 def _configure_quest(stack, backends: list) -> None:
@@ -106,9 +134,16 @@ def build_llama_decode_stack(model):
     rotary = inner.rotary_emb
     if rotary.rotary_dim != rotary.head_dim or rotary.cos_sin_table.device.type != "cpu":
         return None
+    from kvforge.attention.windowed import WindowedAttentionBackend
     norm_eps, kinds = None, set()
+    backends = [layer.self_attn.attn for layer in inner.layers]
+    windows = _llama_windows(backends)
+    if windows is None:
+        return None
     for layer in inner.layers:
-        kinds.add(_stack_attention_kind(layer.self_attn.attn, windowed=False))
+        backend = layer.self_attn.attn
+        kinds.add(_stack_attention_kind(backend,
+                                        windowed=isinstance(backend, WindowedAttentionBackend)))
         if None in kinds or len(kinds) > 1 or not _stack_mlp_and_projections_ok(
                 layer, ("silu", "swish")):
             return None
@@ -125,7 +160,10 @@ def build_llama_decode_stack(model):
     first = inner.layers[0].self_attn
     stack = ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
                             first.num_kv_heads, first.head_dim, float(first.attn.scale))
-    _configure_quest(stack, [layer.self_attn.attn for layer in inner.layers])
+    layer_windows, window = windows
+    if window is not None:
+        stack.set_windows(layer_windows, window.sinks, _sink_rope(rotary, window))
+    _configure_quest(stack, backends)
     return stack
 
 

@@ -176,7 +176,15 @@ class LlamaForCausalLM(CompiledDecodeMixin, RotaryDecoderLMMixin, nn.Module):
                 (cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)))
 
     def _stack_rope_tables(self, positions: torch.Tensor, num_steps: int):
-        return self.model.rotary_emb.cos_sin_table, None, 0
+        rotary = self.model.rotary_emb
+        table = rotary.cos_sin_table
+        first, last = int(positions.min()), int(positions.max()) + num_steps - 1
+        if last < table.shape[0]:
+            return table, None, 0
+        # past the table (StreamingLLM beyond the context: layers/rotary_unbounded.py): the
+        # rows of the positions the call reaches
+        cos, sin = rotary.cos_sin(torch.arange(first, last + 1, device=positions.device))
+        return torch.cat([cos, sin], dim=1).contiguous(), None, first
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -128,8 +128,9 @@ def test_streaming_generates_past_the_context_with_bounded_blocks(short_context)
     params = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True, logprobs=1)
     [tokens], most_held, [logprobs] = run_and_watch(llm, prompt, params)
     assert len(tokens) == 320                                  # 330 positions, context 64
-    # the compiled whole-step decode (kernels/decode_stack.py) knows no windows: never used
-    assert engine.runner.model._decode_stack is None
+    # the compiled whole-step decode (kernels/decode_stack.py) runs the window and the sinks
+    from kvforge import kernels
+    assert (engine.runner.model._decode_stack is not None) == (kernels.cpu_kernels() is not None)
     assert most_held <= -(-(4 + 16) // BLOCK) + 1 == 6         # S + W tokens, one partial block
     chosen = [lp[t] for lp, t in zip(logprobs, tokens)]
     assert all(math.isfinite(x) for x in chosen)

@@ -682,11 +682,11 @@ def test_fp8_kv_decode_stack_matches_python_layers(compiled, tiny_model_factory,
 
 
 def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
-    """StreamingLLM sinks + window on a Llama: its windowed backend is not one the stack runs."""
+    """The tiled backend (no paged decode kernel of its own) is not one the stack runs."""
     from kvforge.engine.llm import LLM
     from kvforge.kernels.decode_stack import build_llama_decode_stack
     hf_dir, _ = tiny_model_factory("llama")
-    llm = LLM(hf_dir, num_kv_blocks=16, block_size=16, attention_sinks=4, sliding_window=32)
+    llm = LLM(hf_dir, num_kv_blocks=16, block_size=16, attention_backend="tiled")
     assert build_llama_decode_stack(llm.engine.runner.model) is None
 
 
@@ -702,6 +702,80 @@ def _spy_quest_python_decodes(monkeypatch) -> list:
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(QuestAttentionBackend, name, spy)
     return seen
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("window", [(4, 16), (0, 16)])
+def test_paged_decode_attention_with_sinks(compiled, threads, window):
+    """Sinks + window: keys [0, S) scored with q_sink, (p - W, p] with q, one softmax; rows
+    whose window reaches the sinks read every key; any thread count gives the reference."""
+    sinks, width = window
+    g = torch.Generator().manual_seed(sinks + width + threads)
+    heads, kv_heads, dim, block = 6, 2, 32, 4
+    lens = [9, 20, 21, 300, 17, 700]              # within S + W, at its edge, far past it
+    per_seq = -(-max(lens) // block)
+    tables = torch.randperm(len(lens) * per_seq, generator=g).view(len(lens), per_seq)
+    k_cache = torch.randn(len(lens) * per_seq, block, kv_heads, dim, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    q_sink = torch.randn(len(lens), heads, dim, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = compiled.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens),
+                                              dim ** -0.5, width, sinks, q_sink)
+    finally:
+        torch.set_num_threads(before)
+    group = heads // kv_heads
+    for s, n in enumerate(lens):
+        rows = tables[s, torch.arange(n) // block] * block + torch.arange(n) % block
+        keys = k_cache.view(-1, kv_heads, dim)[rows].repeat_interleave(group, 1)    # [n, H, D]
+        values = v_cache.view(-1, kv_heads, dim)[rows].repeat_interleave(group, 1)
+        pos = torch.arange(n)
+        sink = pos < sinks
+        visible = sink | (pos > n - 1 - width)
+        shifted = sink & (n - width > sinks)         # the window does not reach the sinks
+        query = torch.where(shifted[:, None, None], q_sink[s][None], q[s][None])   # [n, H, D]
+        scores = (query * keys).sum(-1) * dim ** -0.5                            # [n, H]
+        weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(0)
+        ref = (weights[..., None] * values).sum(0)
+        torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_decode_stack_matches_python_layers(compiled, tiny_model_factory, monkeypatch,
+                                                      threads):
+    """StreamingLLM (4 sinks, window 16, in-cache positions) through the compiled stack: past
+    position S + W the sinks are scored with the query rotated at S + W - 1 and the blocks
+    between sinks and window are freed; the Python layers' tokens and logprobs, one step at a
+    time and in multi-step calls, past the model's 64-token context."""
+    from kvforge.engine.llm import LLM
+    from kvforge.sampling_params import SamplingParams
+    hf_dir, _ = tiny_model_factory("llama", max_position_embeddings=64, initializer_range=0.1)
+    prompts = [list(range(100, 140)), [5, 17, 300, 42] * 3, [7] * 19]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        llm = LLM(hf_dir, block_size=4, num_kv_blocks=64, num_threads=threads,
+                  attention_sinks=4, sliding_window=16)
+        stack = llm.engine.runner.model.decode_stack()
+        assert stack is not None and stack.window == 16
+        on, on_lp = _greedy(llm, prompts, max_tokens=60)          # to position 99
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        multi = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        with monkeypatch.context() as m:
+            _kernels_off(llm, m)
+            m.setattr(llm.engine.runner, "_stack_limit", None)
+            off, off_lp = _greedy(llm, prompts, max_tokens=60)
+        assert on == off == multi
+        for a, b in zip(on_lp, off_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+        llm.engine.check_integrity()
+        assert llm.engine.num_free_blocks == 64
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernels

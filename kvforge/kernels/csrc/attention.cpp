@@ -253,9 +253,9 @@ void merge_partials(const Partial* parts, int64_t num_parts, int64_t heads, int6
 
 DecodeAttentionPlan::DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs,
                                          int64_t heads, int64_t kv_heads, int64_t dim_v,
-                                         int threads, int64_t window)
+                                         int threads, int64_t window, int64_t sinks)
     : seq_lens_(seq_lens), num_seqs_(num_seqs), heads_(heads), group_(heads / kv_heads),
-      dim_v_(dim_v) {
+      dim_v_(dim_v), sinks_(sinks) {
   // tasks: (sequence s, head range p, chunk c) -> keys [max(lo, (c0 + c) * chunk),
   // min((c0 + c + 1) * chunk, len)) of heads [p * heads / splits, (p + 1) * heads / splits),
   // where lo = max(0, len - window) is the row's first visible key (0 without a window) and
@@ -271,16 +271,29 @@ DecodeAttentionPlan::DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_se
   // 300 tokens gives each thread one head range's 256 + 44 keys, not one thread 256 keys and
   // the other 44. (Chunks sized to the batch balanced that too, but moved a row's chunk bounds
   // with the number of rows, and its rounding with them.)
+  //
+  // Sinks (window > 0): a row whose window starts past them (lo > sinks) reads them as one more
+  // chunk, its chunk 0, keys [0, sinks) with the sinks' query; one whose window reaches them
+  // reads every key [0, len) as a row without a window does (the two sets join):
+  //
+  //   keys   0 1 2 3 . . . . . . 256 ..... 700     len = 700, window = 512, sinks = 4
+  //   chunks [0, 4) (q_sink)    [188, 256)  [256, 512)  [512, 700)
   TORCH_CHECK(window >= 0, "attention window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0),
+              "attention sinks must be >= 0 and come with a window, got ", sinks);
   chunk_ = kChunk;
   const int64_t want_tasks = 2 * static_cast<int64_t>(threads);
   chunks_.resize(num_seqs);
   first_key_.resize(num_seqs);
+  sink_chunk_.assign(num_seqs, 0);
   int64_t chunk_tasks = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    first_key_[s] = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0;
-    const int64_t c0 = first_key_[s] / chunk_, c1 = (seq_lens[s] + chunk_ - 1) / chunk_;
-    chunks_[s] = std::max<int64_t>(1, c1 - c0);
+    int64_t lo = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0;
+    if (sinks > 0 && lo > sinks) sink_chunk_[s] = 1;
+    else if (sinks > 0) lo = 0;
+    first_key_[s] = lo;
+    const int64_t c0 = lo / chunk_, c1 = (seq_lens[s] + chunk_ - 1) / chunk_;
+    chunks_[s] = std::max<int64_t>(1, c1 - c0) + sink_chunk_[s];
     chunk_tasks += chunks_[s];
   }
   splits_ = chunk_tasks >= want_tasks
@@ -297,15 +310,23 @@ void DecodeAttentionPlan::run_task(int64_t t, const float* q, int64_t q_row_stri
                                    int64_t q_head_stride, const PagedKV& keys,
                                    const PagedKV& values, const int64_t* block_tables,
                                    int64_t table_stride, float scale, float* out,
-                                   std::vector<float>& scores) {
+                                   std::vector<float>& scores, const float* q_sink,
+                                   int64_t q_sink_row_stride) {
   const int64_t s = std::upper_bound(first_task_.begin(), first_task_.end(), t) -
                     first_task_.begin() - 1;
   const int64_t p = (t - first_task_[s]) / chunks_[s], c = (t - first_task_[s]) % chunks_[s];
   const int64_t h0 = p * heads_ / splits_, h1 = (p + 1) * heads_ / splits_;
-  const int64_t lo = first_key_[s], base = (lo / chunk_ + c) * chunk_;
+  const int64_t* table = block_tables + s * table_stride;
+  if (sink_chunk_[s] && c == 0) {               // the sinks, with their own query
+    const float* qs = q_sink != nullptr ? q_sink + s * q_sink_row_stride : q + s * q_row_stride;
+    attend_chunk(qs, q_head_stride, keys, values, table, 0, sinks_, h0, h1, group_, scale,
+                 parts_[t], scores);
+    return;                                     // chunks_[s] >= 2: merged after
+  }
+  const int64_t lo = first_key_[s], base = (lo / chunk_ + c - sink_chunk_[s]) * chunk_;
   const int64_t j0 = std::max(lo, base), j1 = std::min(seq_lens_[s], base + chunk_);
-  attend_chunk(q + s * q_row_stride, q_head_stride, keys, values, block_tables + s * table_stride,
-               j0, j1, h0, h1, group_, scale, parts_[t], scores);
+  attend_chunk(q + s * q_row_stride, q_head_stride, keys, values, table, j0, j1, h0, h1, group_,
+               scale, parts_[t], scores);
   if (chunks_[s] == 1)           // the whole sequence: normalise in place, nothing to merge
     merge_partials(&parts_[t], 1, h1 - h0, dim_v_, out + (s * heads_ + h0) * dim_v_);
 }
@@ -322,14 +343,15 @@ void DecodeAttentionPlan::merge(int64_t i, float* out) const {
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      float scale, float* out, int64_t window) {
+                      float scale, float* out, int64_t window, int64_t sinks,
+                      const float* q_sink, int64_t q_sink_row_stride) {
   DecodeAttentionPlan plan(seq_lens, num_seqs, heads, kv_heads, values.dim,
-                           at::get_num_threads(), window);
+                           at::get_num_threads(), window, sinks);
   at::parallel_for(0, plan.num_tasks(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t)
       plan.run_task(t, q, q_row_stride, q_head_stride, keys, values, block_tables, table_stride,
-                    scale, out, scores);
+                    scale, out, scores, q_sink, q_sink_row_stride);
   });
   at::parallel_for(0, plan.num_merges(), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) plan.merge(i, out);
@@ -338,7 +360,7 @@ void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_strid
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, int64_t sinks, c10::optional<at::Tensor> q_sink) {
   check_fp32_cpu(q, "q");
   const KVFormat format = kv_format_of(key_cache, "key_cache");
   TORCH_CHECK(kv_format_of(value_cache, "value_cache") == format,
@@ -356,6 +378,12 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
   const int64_t n = q.size(0), heads = q.size(1), kv_heads = key_cache.size(2);
   TORCH_CHECK(n == 0 || seq_lens.max().item<int64_t>() <= block_tables.size(1) * key_cache.size(1),
               "a seq_len exceeds its block table");
+  const bool has_q_sink = q_sink.has_value() && q_sink->defined();
+  if (has_q_sink) {
+    check_fp32_cpu(*q_sink, "q_sink");
+    TORCH_CHECK(q_sink->sizes() == q.sizes() && q_sink->stride(1) == q.stride(1) &&
+                    q_sink->stride(2) == 1, "q_sink must be shaped and head-strided like q");
+  }
   auto out = at::empty({n, heads, value_cache.size(3)}, q.options());
   PagedKV keys{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
                key_cache.stride(2), key_cache.size(1), key_cache.size(3), format};
@@ -364,7 +392,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor
   decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), keys, values,
                    block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                    seq_lens.data_ptr<int64_t>(), n, heads, kv_heads, static_cast<float>(scale),
-                   out.data_ptr<float>(), window);
+                   out.data_ptr<float>(), window, sinks,
+                   has_q_sink ? q_sink->data_ptr<float>() : nullptr,
+                   has_q_sink ? q_sink->stride(0) : 0);
   return out;
 }
 

@@ -46,10 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rounded to nearest even", pybind11::arg("dst"), pybind11::arg("src"), release_gil());
   m.def("paged_decode_attention", &kvforge::paged_decode_attention,
         "decode attention over paged KV (fp32 or fp8 caches, fp32 q); window > 0: the last "
-        "`window` keys of each row",
+        "`window` keys of each row, and its first `sinks` keys (scored with q_sink if given)",
         pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("window") = 0, release_gil());
+        pybind11::arg("window") = 0, pybind11::arg("sinks") = 0,
+        pybind11::arg("q_sink") = pybind11::none(), release_gil());
   m.def("quest_decode", &kvforge::quest_decode,
         "QUEST sparse decode: block bounds, top-k, attention over the chosen blocks (fp32)",
         release_gil());

@@ -20,6 +20,14 @@
 //   h = rms(residual) * ln2 ... x = rms(mlp(h)) * post_ffn                (the next layer adds x)
 //
 // (Gemma's norms scale by 1 + w: the caller passes that sum as the weight.)
+//
+// A Llama family's windowed layers (set_windows): a native sliding window, or StreamingLLM's
+// sinks + window with in-cache positions (attention/window.py): the window's keys are scored
+// with q rotated at the row's position p, the sinks' with q rotated at c(p) = min(p, S + W - 1)
+// (the same q before rotation, so every distance stays below S + W):
+//
+//   q_sink = rotate(q before rotation, sink rows[min(p, S + W - 1)])    q = rotate(q, rows[p])
+//   a = attention over keys [0, S) with q_sink and (p - W, p] with q, one softmax
 // Weights are the model's own tensors (no copies). Packed fp32 weights (layers/linear.py's
 // PackedLinearMethod) run linear_packed at any rows; row-major ones linear_rows (register
 // tiles) for kLinearRowsMin..kLinearRowsMax rows, MKL beyond like the Python path; a quantized
@@ -240,6 +248,36 @@ class DecodeStack {
     quest_budget_ = token_budget;
   }
 
+  // A Llama family's attention windows (attention/window.py): per layer its window (0: every
+  // key), one nonzero value for all; `sinks` keys of StreamingLLM for the windowed layers;
+  // sink_rope [sinks + window, 2, head_dim] (cos, sin of positions 0 .. S + W - 1) when the
+  // sinks are scored at in-cache positions, none when at true ones.
+  void set_windows(std::vector<int64_t> windows, int64_t sinks,
+                   c10::optional<at::Tensor> sink_rope) {
+    TORCH_CHECK(windows.size() == layers_.size(), "set_windows: one window per layer, got ",
+                windows.size(), " for ", layers_.size(), " layers");
+    int64_t window = 0;
+    for (int64_t w : windows) {
+      TORCH_CHECK(w >= 0 && (w == 0 || window == 0 || w == window),
+                  "windows must be >= 0 and one value for every windowed layer");
+      if (w > 0) window = w;
+    }
+    TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "sinks must be >= 0 and come with a "
+                "window, got ", sinks);
+    const bool shifted = sink_rope.has_value() && sink_rope->defined();
+    if (shifted) {
+      check_fp32_cpu(*sink_rope, "sink_rope");
+      TORCH_CHECK(sinks > 0 && sink_rope->dim() == 3 && sink_rope->size(0) == sinks + window &&
+                      sink_rope->size(1) == 2 && sink_rope->size(2) == head_dim_ &&
+                      sink_rope->is_contiguous(),
+                  "sink_rope must be [sinks + window, 2, head_dim] (and sinks > 0)");
+    }
+    for (size_t l = 0; l < layers_.size(); ++l) layers_[l].window = windows[l];
+    window_ = window;
+    sinks_ = sinks;
+    sink_rope_ = shifted ? *sink_rope : at::Tensor();
+  }
+
   // hidden [n, hidden] (token embeddings) -> final-normed hidden [n, hidden]
   // cos_local / sin_local: the second RoPE's rows (Gemma's local layers), when layers use it
   at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
@@ -287,8 +325,10 @@ class DecodeStack {
                                         sin_local->data_ptr<float>(), sin_local->stride(0)}
                                  : global;
     const auto quest = quest_plan(lens, n, tables, table_stride, num_slots, block_size);
+    std::vector<float> sink_rows;
+    const Rope sink = sink_rows_of(lens, n, sink_rows);
     const Step step{kv_caches, slots, tables, table_stride, lens, {global, local}, num_slots,
-                    block_size, n, format, quest.get()};
+                    block_size, n, format, quest.get(), sink};
     return team_runs_all(n) ? forward_team(hidden, step) : forward_ops(hidden, step);
   }
 
@@ -425,7 +465,7 @@ class DecodeStack {
     const auto opts = cos_sin.options();
     const int64_t inter = widest_mlp();
     SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
-                     opts);
+                     opts, sink_rope_.defined());
     at::Tensor logits = at::empty({n, vocab}, opts), out = at::empty({n, steps}, ids.options());
     // per table: cos, sin [steps, n, head_dim] gathered from the table's rows
     std::vector<at::Tensor> cos, sin;
@@ -451,6 +491,10 @@ class DecodeStack {
     // per step: the plan over every key, and over the window's keys (windowed layers)
     std::vector<DecodeAttentionPlan> plans, window_plans;
     std::vector<std::unique_ptr<QuestDecodePlan>> quest_plans;     // null: dense this step
+    std::vector<std::vector<float>> sink_rows(steps);               // per step [cos | sin]
+    std::vector<Rope> sinks_at;
+    for (int64_t s = 0; s < steps; ++s)
+      sinks_at.push_back(sink_rows_of(lens.data() + s * n, n, sink_rows[s]));
     plans.reserve(steps);
     window_plans.reserve(steps);
     for (int64_t s = 0; s < steps; ++s) {
@@ -459,7 +503,7 @@ class DecodeStack {
       plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads);
       if (window_ > 0)
         window_plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads,
-                                  window_);
+                                  window_, sinks_);
     }
     // per step: the layers' claims, then the head's
     const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
@@ -486,7 +530,7 @@ class DecodeStack {
         }
         const Step st{kv_caches, slots.data() + s * n, tables, table_stride,
                       lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
-                      block_size, n, format, quest_plans[s].get()};
+                      block_size, n, format, quest_plans[s].get(), sinks_at[s]};
         ShareClaim* claim = claims.data() + s * step_claims;
         DecodeAttentionPlan* step_plans[2] = {&plans[s],
                                               window_ > 0 ? &window_plans[s] : &plans[s]};
@@ -544,7 +588,24 @@ class DecodeStack {
     int64_t n;                     // rows (sequences) this step
     KVFormat format;               // the caches' K/V elements
     QuestDecodePlan* quest;        // QUEST's selection this step (sparse layers), or null
+    Rope sink;                     // the sinks' query rows (cos null: no shifted sinks)
   };
+
+  // The rows the sinks' queries rotate with, position min(p, S + W - 1) of sink_rope_ for each
+  // row (p = len - 1), into `buffer` as [n cos rows | n sin rows] (the Rope points into it);
+  // no shifted sinks: nulls.
+  Rope sink_rows_of(const int64_t* lens, int64_t n, std::vector<float>& buffer) const {
+    if (!sink_rope_.defined()) return Rope{nullptr, 0, nullptr, 0};
+    const int64_t d = head_dim_, last = sink_rope_.size(0) - 1;
+    buffer.resize(2 * n * d);
+    const float* table = sink_rope_.data_ptr<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = table + std::min(lens[t] - 1, last) * 2 * d;
+      std::copy(row, row + d, buffer.data() + t * d);
+      std::copy(row + d, row + 2 * d, buffer.data() + (n + t) * d);
+    }
+    return Rope{buffer.data(), d, buffer.data() + n * d, d};
+  }
 
   // The step's QUEST plan when its longest row is past the budget (quest_), else null.
   std::unique_ptr<QuestDecodePlan> quest_plan(const int64_t* lens, int64_t n,
@@ -696,23 +757,33 @@ class DecodeStack {
     return {num_slots, block_size, format};
   }
 
-  // a row's slot and every block it attends must exist
-  static void check_row(int64_t slot, int64_t len, const int64_t* table, int64_t table_len,
-                        int64_t num_slots, int64_t block_size) {
+  // a row's slot and every block it attends must exist: every block of its context, or where
+  // every layer is windowed, the sinks' and the window's (the engine frees the others:
+  // attention/window.py, their table entries -1)
+  void check_row(int64_t slot, int64_t len, const int64_t* table, int64_t table_len,
+                 int64_t num_slots, int64_t block_size) const {
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot out of range");
     TORCH_CHECK(len >= 1 && len <= table_len * block_size, "seq_len");
+    const bool windowed = window_ > 0 && std::all_of(layers_.begin(), layers_.end(),
+                                                     [](const LayerWeights& w) {
+                                                       return w.window > 0; });
+    const int64_t sink_blocks = (sinks_ + block_size - 1) / block_size;
+    const int64_t first_live = windowed ? std::max<int64_t>(0, len - window_) / block_size : 0;
     for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] * block_size < num_slots, "block id");
+      if (b < sink_blocks || b >= first_live)
+        TORCH_CHECK(table[b] >= 0 && table[b] * block_size < num_slots, "block id");
   }
 
   // Buffers a team step writes on one thread and reads on all (forward_team, generate).
   struct SharedBuffers {
     at::Tensor qkv, attn, o, gate_up, x;
+    at::Tensor q_sink;             // the sinks' queries [n, q_width] (shifted sinks only)
     SharedBuffers(int64_t n, int64_t hidden, int64_t qkv_width, int64_t q_width, int64_t inter,
-                  const at::TensorOptions& opts)
+                  const at::TensorOptions& opts, bool sinks = false)
         : qkv(at::empty({n, qkv_width}, opts)), attn(at::empty({n, q_width}, opts)),
           o(at::empty({n, hidden}, opts)), gate_up(at::empty({n, 2 * inter}, opts)),
-          x(at::empty({n, hidden}, opts)) {}
+          x(at::empty({n, hidden}, opts)),
+          q_sink(sinks ? at::empty({n, q_width}, opts) : at::Tensor()) {}
   };
   // What each thread of a team keeps to itself: the residual stream, norm and SwiGLU outputs.
   struct PrivateBuffers {
@@ -800,6 +871,11 @@ class DecodeStack {
       const Rope& rope = st.rope[w.rope];
       const float *cos_p = rope.cos, *sin_p = rope.sin;
       const int64_t cs = rope.cos_stride, ss = rope.sin_stride;
+      float* q_sink = w.window > 0 && st.sink.cos != nullptr ? sh.q_sink.data_ptr<float>()
+                                                             : nullptr;
+      if (q_sink != nullptr)            // from q before its rotation: the sinks' positions
+        rotary_rows(my_q, qkv_width, q_sink + h0 * head_dim_, q_width, st.sink.cos,
+                    st.sink.cos_stride, st.sink.sin, st.sink.sin_stride, n, h1 - h0, head_dim_);
       rotary_rows(my_q, qkv_width, my_q, qkv_width, cos_p, cs, sin_p, ss, n, h1 - h0, head_dim_);
       rotary_rows(my_k, qkv_width, my_k, qkv_width, cos_p, cs, sin_p, ss, n, k1 - k0, head_dim_);
       for (int64_t t = 0; t < n; ++t) store_row(cache, st, t, my_k + t * qkv_width, k0, k1);
@@ -835,7 +911,7 @@ class DecodeStack {
                         [&](int64_t t0, int64_t t1, int64_t) {
           for (int64_t t = t0; t < t1; ++t)
             plan.run_task(t, qkv_p, qkv_width, head_dim_, keys, values, st.tables,
-                          st.table_stride, scale_, attn_p, pv.scores);
+                          st.table_stride, scale_, attn_p, pv.scores, q_sink, q_width);
         });
         if (plan.num_merges() > 0) {
           team.barrier();
@@ -886,13 +962,13 @@ class DecodeStack {
     const int64_t inter = widest_mlp();
     const auto opts = hidden.options();
     SharedBuffers sh(n, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter,
-                     opts);
+                     opts, sink_rope_.defined());
     at::Tensor out = at::empty({n, hidden_}, opts);
     const int threads = at::get_num_threads();
     DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, threads);
     std::optional<DecodeAttentionPlan> window_plan;       // windowed layers only
     if (window_ > 0)
-      window_plan.emplace(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_);
+      window_plan.emplace(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_, sinks_);
     DecodeAttentionPlan* plans[2] = {&plan, window_plan ? &*window_plan : &plan};
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
@@ -939,6 +1015,12 @@ class DecodeStack {
           head_norms(qkv_p + t * qkv_stride + q_width, kv_heads_, w.k_norm);
         }
       const Rope& rope = st.rope[w.rope];
+      at::Tensor q_sink;                // the sinks' queries, from q before its rotation
+      if (w.window > 0 && st.sink.cos != nullptr) {
+        q_sink = at::empty({n, q_width}, hidden.options());
+        rotary_rows(qkv_p, qkv_stride, q_sink.data_ptr<float>(), q_width, st.sink.cos,
+                    st.sink.cos_stride, st.sink.sin, st.sink.sin_stride, n, heads_, head_dim_);
+      }
       rotary_rows(qkv_p, qkv_stride, qkv_p, qkv_stride, rope.cos, rope.cos_stride, rope.sin,
                   rope.sin_stride, n, heads_ + kv_heads_, head_dim_);
       char* cache = static_cast<char*>(kv_caches[l].data_ptr());
@@ -950,7 +1032,9 @@ class DecodeStack {
       } else {
         const auto [keys, values] = kv_planes(cache, st);
         decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens,
-                         n, heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window);
+                         n, heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window,
+                         w.window > 0 ? sinks_ : 0,
+                         q_sink.defined() ? q_sink.data_ptr<float>() : nullptr, q_width);
       }
       at::Tensor o = w.o(attn);
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
@@ -990,6 +1074,8 @@ class DecodeStack {
   float scale_;
   Activation activation_ = Activation::kSilu;
   int64_t window_ = 0;                     // the windowed layers' window (0: none)
+  int64_t sinks_ = 0;                      // StreamingLLM sinks of the windowed layers
+  at::Tensor sink_rope_;                   // their query's rows [S + W, 2, head_dim], if shifted
   bool quest_ = false;                     // QUEST's cache layout (set_quest)
   int64_t quest_budget_ = 0;               // its token budget per sparse layer
   int ropes_ = 1;                          // RoPE tables the layers use (Gemma: 2)
@@ -1016,6 +1102,8 @@ void bind_decode_stack(pybind11::module& m) {
       .def_property_readonly("quest", &DecodeStack::quest)
       .def("set_quest", &DecodeStack::set_quest, pybind11::arg("sparse_layers"),
            pybind11::arg("token_budget"))
+      .def("set_windows", &DecodeStack::set_windows, pybind11::arg("windows"),
+           pybind11::arg("sinks") = 0, pybind11::arg("sink_rope") = pybind11::none())
       .def("can_generate", &DecodeStack::can_generate)
       .def("set_sparsity", &DecodeStack::set_sparsity)
       .def("generate", &DecodeStack::generate,   // releases the GIL itself

@@ -266,21 +266,25 @@ struct PagedKV {               // one layer's K or V plane: [num_blocks, block, 
 };
 
 // One query token per sequence over its paged context (see attention.cpp for the map), or
-// over its last `window` keys (a sliding window: keys p - window < k <= p; 0 = all keys).
-// Cut into tasks (sequence, head range, chunk of keys) whose partial softmaxes of sequences in
-// several chunks are merged after: the same cut for every layer of a step.
+// over its last `window` keys (a sliding window: keys p - window < k <= p; 0 = all keys) and
+// the first `sinks` keys (StreamingLLM: k < sinks, scored with a query of their own, q_sink,
+// where the caller gives one). Cut into tasks (sequence, head range, chunk of keys) whose
+// partial softmaxes of sequences in several chunks are merged after: the same cut for every
+// layer of a step.
 class DecodeAttentionPlan {
  public:
   DecodeAttentionPlan(const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      int64_t dim_v, int threads, int64_t window = 0);
+                      int64_t dim_v, int threads, int64_t window = 0, int64_t sinks = 0);
   int64_t num_tasks() const { return first_task_.back(); }
   // merge items (sequence, head range); 0 when every sequence fits one chunk (normalised in
   // its task)
   int64_t num_merges() const { return needs_merge_ ? num_seqs_ * splits_ : 0; }
-  // task t of one layer: q [n, heads, dim] rows, that layer's K and V planes, out [n, heads, dv]
+  // task t of one layer: q [n, heads, dim] rows, that layer's K and V planes, out [n, heads, dv];
+  // q_sink: the sinks' queries (rows q_sink_row_stride apart, heads as q's), null: q's
   void run_task(int64_t t, const float* q, int64_t q_row_stride, int64_t q_head_stride,
                 const PagedKV& keys, const PagedKV& values, const int64_t* block_tables,
-                int64_t table_stride, float scale, float* out, std::vector<float>& scores);
+                int64_t table_stride, float scale, float* out, std::vector<float>& scores,
+                const float* q_sink = nullptr, int64_t q_sink_row_stride = 0);
   void merge(int64_t i, float* out) const;   // after every task of the layer
 
   struct Partial {        // softmax state of one (query, chunk) for a range of heads
@@ -289,15 +293,19 @@ class DecodeAttentionPlan {
 
  private:
   const int64_t* seq_lens_;
-  int64_t num_seqs_, heads_, group_, dim_v_, chunk_ = 0, splits_ = 1;
+  int64_t num_seqs_, heads_, group_, dim_v_, sinks_, chunk_ = 0, splits_ = 1;
   bool needs_merge_ = false;
+  // per sequence: chunks (its sink chunk included), first window key, whether chunk 0 is the
+  // sinks' [0, sinks) apart from the window
   std::vector<int64_t> chunks_, first_key_, first_task_;
+  std::vector<char> sink_chunk_;
   std::vector<Partial> parts_;
 };
 void decode_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, PagedKV keys,
                       PagedKV values, const int64_t* block_tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t num_seqs, int64_t heads, int64_t kv_heads,
-                      float scale, float* out, int64_t window = 0);
+                      float scale, float* out, int64_t window = 0, int64_t sinks = 0,
+                      const float* q_sink = nullptr, int64_t q_sink_row_stride = 0);
 
 // QUEST's sparse decode (quest.cpp has the head-major cache's map): one query token per
 // sequence; a sequence longer than k_blocks blocks attends to its current block and the
@@ -350,7 +358,8 @@ at::Tensor linear_packed_op(at::Tensor x, at::Tensor packed, int64_t out_feature
 at::Tensor packed_rows(at::Tensor packed, at::Tensor ids, int64_t out_features);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window = 0);
+                                  int64_t window = 0, int64_t sinks = 0,
+                                  c10::optional<at::Tensor> q_sink = c10::nullopt);
 void quest_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 at::Tensor quest_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, int64_t k_blocks, double scale, int64_t kv_heads);
