@@ -23,6 +23,7 @@ The table gives medians; one ``SUMMARY`` line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -53,7 +54,7 @@ def worker(model: str, checkout: str | None) -> None:
         from kvforge.torch_import import import_torch_frozen
     except ImportError:     # a checkout from before kvforge/torch_import.py: a plain import
         def import_torch_frozen():
-            import torch  # noqa: F401
+            importlib.import_module("torch")
     import_torch_frozen()
     t_torch = _since_start()
     from kvforge import LLM, SamplingParams

@@ -14,6 +14,7 @@ itself is left as it is.
 from __future__ import annotations
 
 import gc
+import importlib
 import sys
 
 
@@ -23,7 +24,7 @@ def import_torch_frozen() -> None:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        import torch  # noqa: F401
+        importlib.import_module("torch")
     finally:
         gc.freeze()
         if enabled:

@@ -300,4 +300,6 @@ def configure_quest(model: torch.nn.Module, token_budget: int, dense_layers: int
             backend.layer_idx, backend.token_budget = idx, token_budget
             backend.dense_layers = dense_layers
             found += 1
+    from kvforge.kernels.decode_stack import sync_stack_attention
+    sync_stack_attention(model)          # a built compiled stack takes the new budget too
     return found

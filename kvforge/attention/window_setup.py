@@ -8,10 +8,12 @@
   ``use_sliding_window``, on the layers its ``layer_types`` (or ``max_window_layers``) name):
   a true-position window on those layers, only when it can matter (W < max_model_len).
   A model class with ``applies_own_sliding_window`` (Gemma 3) builds its windowed layers
-  itself and gets no plan here.
+  itself and gets no plan here; with StreamingLLM flags its other layers take the flags' window
+  (``own_attention_windows``: its own windows must fit inside it).
 
 KV blocks are freed only when every layer is windowed (a full-attention layer still reads the
-whole context). Freed blocks break prefix sharing, so the prefix cache is then off.
+whole context) and one window sees what every other does (the widest: its dead blocks are dead
+for all). Freed blocks break prefix sharing, so the prefix cache is then off.
 Combinations that would read a freed block or a wrong window are refused with a ValueError:
 another cache layout (tiled, QUEST; an fp8 KV cache is fine), speculative decoding, swap
 preemption, and model families without rotary Llama-style attention.
@@ -46,9 +48,15 @@ class WindowPlan:
 
     @property
     def kv_window(self) -> AttentionWindow | None:
-        """The window whose out-of-window blocks can be freed: every layer's, when all agree."""
-        first = self.layers[0] if self.layers else None
-        return first if first is not None and all(w == first for w in self.layers) else None
+        """The window whose out-of-window blocks can be freed: with every layer windowed, the
+        one that sees at least the sinks and the window of every other (a layer of S' <= S
+        sinks and W' <= W sees keys [0, S') and (p - W', p], inside [0, S) and (p - W, p])."""
+        if not self.layers or any(w is None for w in self.layers):
+            return None
+        widest = max(self.layers, key=lambda w: (w.window, w.sinks))
+        if all(w.window <= widest.window and w.sinks <= widest.sinks for w in self.layers):
+            return widest
+        return None
 
 
 def validate_window_args(config: "EngineConfig") -> None:
@@ -108,6 +116,15 @@ def _check_architecture(model_config: "ModelConfig", what: str) -> None:
                          f"attention over the paged cache); {model_config.architecture} is not")
 
 
+def _own_attention_windows(model_config: "ModelConfig") -> list[AttentionWindow | None] | None:
+    """A model class's own per-layer windows (``own_attention_windows``), or None."""
+    from kvforge.models.registry import get_model_class
+    cls = get_model_class(model_config.architecture)
+    if not getattr(cls, "applies_own_sliding_window", False):
+        return None
+    return cls.own_attention_windows(model_config)
+
+
 def _applies_own_sliding_window(model_config: "ModelConfig") -> bool:
     from kvforge.models.registry import get_model_class
     return getattr(get_model_class(model_config.architecture), "applies_own_sliding_window",
@@ -121,12 +138,21 @@ def resolve_attention_window(config: "EngineConfig",
     num_layers = model_config.num_hidden_layers
     if config.sliding_window is not None:
         what = f"attention_sinks={config.attention_sinks}, sliding_window={config.sliding_window}"
-        _check_architecture(model_config, what)
         window = AttentionWindow(config.attention_sinks, config.sliding_window, "in_cache")
         context = model_config.max_position_embeddings
         if window.span > context:
             raise ValueError(f"{what}: sinks + window = {window.span} tokens exceeds the model's "
                              f"context of {context}; in-cache positions must stay inside it")
+        own = _own_attention_windows(model_config)
+        if own is not None:          # the model's windowed layers keep theirs, inside the flags'
+            widest = max((w.window for w in own if w is not None), default=0)
+            if widest > window.window:
+                raise ValueError(f"{what}: the model's own sliding window ({widest}) is wider "
+                                 f"than sliding_window; StreamingLLM frees the blocks outside "
+                                 f"the flags' window, which those layers still read")
+            return WindowPlan(tuple(w if w is not None else window for w in own),
+                              from_flags=True)
+        _check_architecture(model_config, what)
         return WindowPlan((window,) * num_layers, from_flags=True)
     size = model_config.sliding_window
     max_len = config.max_model_len or model_config.max_position_embeddings
@@ -172,10 +198,16 @@ def configure_attention_window(model: "torch.nn.Module",
     plan = resolve_attention_window(config, model_config)
     if plan is None:
         return None
-    rotary = model.model.rotary_emb
-    inner = rotary.inner if isinstance(rotary, UnboundedRotaryEmbedding) else rotary
-    inv_freq, _ = compute_inv_freq(inner.rotary_dim, model_config.rope_theta,
-                                   model_config.rope_scaling, model_config.max_position_embeddings)
+    own_windows = getattr(model, "applies_own_sliding_window", False)
+    if own_windows:       # its own RoPE modules (models/gemma3.py: computed, any position)
+        rotary = inner = None
+        inv_freq = model.window_rope_inv_freq()
+    else:
+        rotary = model.model.rotary_emb
+        inner = rotary.inner if isinstance(rotary, UnboundedRotaryEmbedding) else rotary
+        inv_freq, _ = compute_inv_freq(inner.rotary_dim, model_config.rope_theta,
+                                       model_config.rope_scaling,
+                                       model_config.max_position_embeddings)
     attentions = [m for m in model.modules() if isinstance(getattr(m, "attn", None),
                                                            PagedAttentionBackend)]
     if len(attentions) != len(plan.layers):
@@ -184,13 +216,15 @@ def configure_attention_window(model: "torch.nn.Module",
     device = next(model.parameters()).device
     for module, window in zip(attentions, plan.layers):
         old = module.attn
+        if own_windows and getattr(old, "window", None) is not None:
+            continue                                    # a layer that windows itself
         # the same K/V storage (fp32 or fp8); an fp8 backend's scale has its k_scale folded in
         backend = windowed_backend_cls(old.name)(
             old.num_heads, old.num_kv_heads, old.head_size,
             old.scale / getattr(old, "k_scale", 1.0), old.head_size_v)
         backend.window, backend.rope_inv_freq = window, inv_freq.to(device)
         module.attn = backend
-    if plan.from_flags and not isinstance(rotary, UnboundedRotaryEmbedding):
+    if plan.from_flags and rotary is not None and not isinstance(rotary, UnboundedRotaryEmbedding):
         model.model.rotary_emb = UnboundedRotaryEmbedding(inner, inv_freq)
     logger.info("attention window: %d of %d layers, %s", sum(w is not None for w in plan.layers),
                 len(plan.layers), plan.kv_window or "per layer, no KV freeing")

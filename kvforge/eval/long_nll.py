@@ -59,6 +59,8 @@ def set_window(model: torch.nn.Module, window: AttentionWindow | None,
                          f"with attention_sinks / sliding_window first")
     for backend in backends:
         backend.window = window
+    from kvforge.kernels.decode_stack import sync_stack_attention
+    sync_stack_attention(model)          # a built compiled stack takes the new windows too
     return len(backends)
 
 

@@ -57,21 +57,23 @@ def _stack_attention_kind(backend, windowed: bool) -> str | None:
     return "paged" if unit else None
 
 
-def _llama_windows(backends: list):
-    """The layers' attention windows as ``DecodeStack.set_windows`` takes them, ``(windows,
-    sinks, positions)``, or None when the stack cannot run them (windows that differ between
-    layers, sinks at true positions)."""
+def _layer_window(backend):
+    """A layer's ``AttentionWindow`` (None: every key)."""
     from kvforge.attention.windowed import WindowedAttentionBackend
-    found = {b.window for b in backends
-             if isinstance(b, WindowedAttentionBackend) and b.window is not None}
-    if len(found) > 1:
-        return None
-    window = found.pop() if found else None
-    if window is not None and window.sinks > 0 and not window.shifts_sinks:
-        return None
-    windows = [window.window if isinstance(b, WindowedAttentionBackend) and b.window is not None
-               else 0 for b in backends]
-    return windows, window
+    return backend.window if isinstance(backend, WindowedAttentionBackend) else None
+
+
+def _set_windows(stack, windows: list, rotary) -> bool:
+    """Give ``stack`` the layers' windows (``AttentionWindow`` or None each); ``rotary``: the
+    RoPE the layers with sinks rotate with. False when the stack cannot run them: layers with
+    sinks that do not share one window, sinks at true positions."""
+    with_sinks = {w for w in windows if w is not None and w.sinks > 0}
+    if len(with_sinks) > 1 or any(not w.shifts_sinks for w in with_sinks):
+        return False
+    stack.set_windows([w.window if w is not None else 0 for w in windows],
+                      [w.sinks if w is not None else 0 for w in windows],
+                      _sink_rope(rotary, with_sinks.pop()) if with_sinks else None)
+    return True
 
 
 def _sink_rope(rotary, window) -> torch.Tensor | None:
@@ -82,6 +84,31 @@ def _sink_rope(rotary, window) -> torch.Tensor | None:
         return None
     cos, sin = rotary.cos_sin(torch.arange(window.span))                  # [S + W, 1, D] each
     return torch.cat([cos, sin], dim=1).float().contiguous()
+
+
+def _window_rotary(model):
+    """The RoPE module of the layers StreamingLLM's sinks shift in (Gemma 3: the global one)."""
+    inner = model.model
+    return inner.rotary_global if hasattr(inner, "rotary_global") else inner.rotary_emb
+
+
+def configure_stack_attention(stack, model) -> bool:
+    """Give ``stack`` the model's current attention windows and QUEST settings (the builders,
+    and ``sync_stack_attention`` after they change); False when it cannot run them."""
+    backends = [layer.self_attn.attn for layer in model.model.layers]
+    if not _set_windows(stack, [_layer_window(b) for b in backends], _window_rotary(model)):
+        return False
+    _configure_quest(stack, backends)
+    return True
+
+
+def sync_stack_attention(model) -> None:
+    """After the attention backends' windows or QUEST settings change on a built model
+    (``eval/long_nll.set_window``, ``attention/quest.configure_quest``): its compiled stack, if
+    built, takes the new ones, or is dropped where it cannot run them (the Python layers do)."""
+    if getattr(model, "_decode_stack_built", False) and model._decode_stack is not None:
+        if not configure_stack_attention(model._decode_stack, model):
+            model._decode_stack = None
 
 
 def _configure_quest(stack, backends: list) -> None:
@@ -136,10 +163,6 @@ def build_llama_decode_stack(model):
         return None
     from kvforge.attention.windowed import WindowedAttentionBackend
     norm_eps, kinds = None, set()
-    backends = [layer.self_attn.attn for layer in inner.layers]
-    windows = _llama_windows(backends)
-    if windows is None:
-        return None
     for layer in inner.layers:
         backend = layer.self_attn.attn
         kinds.add(_stack_attention_kind(backend,
@@ -160,11 +183,7 @@ def build_llama_decode_stack(model):
     first = inner.layers[0].self_attn
     stack = ops.DecodeStack(layers, inner.norm.weight, float(norm_eps), first.num_heads,
                             first.num_kv_heads, first.head_dim, float(first.attn.scale))
-    layer_windows, window = windows
-    if window is not None:
-        stack.set_windows(layer_windows, window.sinks, _sink_rope(rotary, window))
-    _configure_quest(stack, backends)
-    return stack
+    return stack if configure_stack_attention(stack, model) else None
 
 
 def build_gemma3_decode_stack(model):
@@ -183,18 +202,19 @@ def build_gemma3_decode_stack(model):
     for rotary in (inner.rotary_local, inner.rotary_global):
         if rotary.head_dim != first.head_dim or rotary.inv_freq.device.type != "cpu":
             return None
-    window, eps_all, kinds = 0, set(), set()
+    from kvforge.attention.windowed import WindowedAttentionBackend
+    eps_all, kinds, windows = set(), set(), []
     for layer in inner.layers:
         attn = layer.self_attn
         backend = attn.attn
-        kinds.add(_stack_attention_kind(backend, windowed=layer.layer_type == SLIDING))
+        kinds.add(_stack_attention_kind(
+            backend, windowed=isinstance(backend, WindowedAttentionBackend)))
         if None in kinds or len(kinds) > 1:     # one cache layout for every layer
             return None
-        if layer.layer_type == SLIDING:
-            w = getattr(backend, "window", None)
-            if w is None or w.sinks != 0 or (window and w.window != window):
-                return None
-            window = w.window
+        # the sliding layers' own window; a full layer's StreamingLLM window (engine flags)
+        windows.append(_layer_window(backend))
+        if layer.layer_type == SLIDING and (windows[-1] is None or windows[-1].sinks != 0):
+            return None
         if not _stack_mlp_and_projections_ok(layer, ("gelu_pytorch_tanh", "gelu_new")):
             return None
         eps_all |= {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm,
@@ -214,16 +234,17 @@ def build_gemma3_decode_stack(model):
         layers.append([scale(layer.input_layernorm), qkv, qkv_bias, o, o_bias,
                        scale(layer.pre_feedforward_layernorm), gate_up, down])
         sliding = layer.layer_type == SLIDING
+        window = _layer_window(attn.attn)
         # rope 1: the local base (forward's cos_local / generate's cos_sin_local)
         extras.append([scale(attn.q_norm), scale(attn.k_norm),
                        scale(layer.post_attention_layernorm),
-                       scale(layer.post_feedforward_layernorm), window if sliding else 0,
-                       1 if sliding else 0])
+                       scale(layer.post_feedforward_layernorm),
+                       window.window if window is not None else 0, 1 if sliding else 0])
     stack = ops.DecodeStack(layers, scale(inner.norm), float(eps_all.pop()), first.num_heads,
                             first.num_kv_heads, first.head_dim, float(first.attn.scale),
                             activation=1, extras=extras)
-    _configure_quest(stack, [layer.self_attn.attn for layer in inner.layers])
-    return stack
+    # the windows again with StreamingLLM's sinks (the full layers, the global RoPE); QUEST
+    return stack if configure_stack_attention(stack, model) else None
 
 
 def kernel_weight(linear):
@@ -255,8 +276,10 @@ def stack_query_limit(stack) -> int:
     return 1 if stack.quest else MAX_QUERY_LEN
 
 
-def stack_handles_step(meta, stack) -> bool:
-    return meta.num_seqs > 0 and max(meta.query_lens_list) <= stack_query_limit(stack)
+def stack_handles_step(meta, stack=None) -> bool:
+    """Whether ``stack`` takes this step (None: whether any stack could, before building one)."""
+    limit = MAX_QUERY_LEN if stack is None else stack_query_limit(stack)
+    return meta.num_seqs > 0 and max(meta.query_lens_list) <= limit
 
 
 def run_decode_stack(stack, model, input_ids: torch.Tensor, positions: torch.Tensor,

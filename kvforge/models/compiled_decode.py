@@ -48,7 +48,7 @@ class CompiledDecodeMixin:
         """A step of decodes and short query runs (speculative verification), no prefill
         chunk, in one compiled call when the model qualifies; None otherwise (the caller runs
         its Python layers, which remain the reference)."""
-        if len(kv_caches) == self.num_layers:
+        if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
             stack = self.decode_stack()
             if (stack is not None and stack_handles_step(meta, stack)
                     and kv_caches[0].dtype in KERNEL_KV_DTYPES):

@@ -15,8 +15,10 @@
 
 The sliding layers carry their window in their attention backend (``WindowedAttentionBackend``
 with a true-position window over the normal paged cache, no blocks freed), so the model is
-exact on its own, with or without an engine; the engine's window planning leaves it alone
-(``applies_own_sliding_window``). With QUEST (``--sparse-attention quest``) the full-attention
+exact on its own, with or without an engine; the engine's window planning leaves them alone
+(``applies_own_sliding_window``), and StreamingLLM flags (``--attention-sinks S
+--sliding-window W``, W at least the local window) window the full layers with sinks + W at
+in-cache positions (global RoPE), so generation can pass the context with bounded KV. With QUEST (``--sparse-attention quest``) the full-attention
 layers decode over the top blocks by QUEST's bound and the sliding layers keep their window
 over QUEST's cache layout (``attention/quest.WindowedQuestBackend``). Decode steps run in the
 compiled decode stack (``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and
@@ -204,6 +206,19 @@ class Gemma3ForCausalLM(CompiledDecodeMixin, PagedKVModelMixin, nn.Module):
     # the sliding layers window themselves (see the module docstring): the engine must not
     # plan model windows on top (attention/window_setup.py)
     applies_own_sliding_window = True
+
+    @staticmethod
+    def own_attention_windows(config: ModelConfig) -> list[AttentionWindow | None]:
+        """Each layer's own window (None: full attention), for the engine's window planning:
+        StreamingLLM flags window the full layers and leave these (attention/window_setup.py)."""
+        options = Gemma3Options.from_config(config)
+        return [AttentionWindow(0, options.sliding_window, "true") if t == SLIDING else None
+                for t in options.layer_types]
+
+    def window_rope_inv_freq(self) -> torch.Tensor:
+        """The RoPE frequencies of the layers StreamingLLM windows (the full layers' global
+        base): what a sink key's score is rotated back with."""
+        return self.model.rotary_global.inv_freq
 
     def __init__(self, config: ModelConfig, attn_backend: str = "paged",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:

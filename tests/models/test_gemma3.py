@@ -316,6 +316,52 @@ def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
     assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
 
 
+def test_streaming_llm_windows_the_full_layers(gemma_files, monkeypatch):
+    """``--attention-sinks 2 --sliding-window 16``: the full layer takes StreamingLLM's window
+    (in-cache positions, global RoPE), the sliding ones keep their own window of 8; the blocks
+    outside sinks + 16 are freed (a decoding request holds at most 6 blocks of 4), and the
+    compiled stack (two windows: 8, and 16 with sinks) gives the Python layers' tokens and
+    logprobs. A window narrower than the model's own is refused."""
+    from kvforge import LLM, SamplingParams
+    from kvforge import kernels
+    from kvforge.attention.window import AttentionWindow
+    _, path, _ = gemma_files
+    llm = LLM(path, block_size=4, num_kv_blocks=64, attention_sinks=2, sliding_window=16)
+    model = llm.engine.runner.model
+    windows = [layer.self_attn.attn.window for layer in model.model.layers]
+    assert windows == [AttentionWindow(2, 16, "in_cache") if t == F else
+                       AttentionWindow(0, 8, "true") for t in model.options.layer_types]
+    stack = model.decode_stack()
+    assert (stack is not None and stack.window == 16) or kernels.cpu_kernels() is None
+    prompts = [[5, 9, 90, 17] * 10, list(range(3, 60, 2))]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    engine = llm.engine
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    final, most_held = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+        most_held = max([most_held] + [engine.kv_manager.num_held_blocks(r.request_id)
+                                       for r in engine.scheduler.running
+                                       if r.num_computed_tokens > r.num_prompt_tokens])
+    on = [final[i] for i in ids]
+    assert all(len(o.token_ids) == 48 for o in on)
+    assert 0 < most_held <= 6                   # decoding: ceil(2 / 4) + ceil((3 + 15 + 1) / 4)
+    monkeypatch.setattr(model, "_decode_stack", None)
+    monkeypatch.setattr(llm.engine.runner, "_stack_limit", None)
+    off = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    for a, b in zip(on, off):
+        got = torch.tensor([lp[t] for lp, t in zip(a.logprobs, a.token_ids)])
+        want = torch.tensor([lp[t] for lp, t in zip(b.logprobs, b.token_ids)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+    with pytest.raises(ValueError, match="own sliding window"):
+        LLM(path, block_size=4, num_kv_blocks=64, attention_sinks=2, sliding_window=6)
+
+
 def test_ngram_speculation_through_the_stack_matches_plain_greedy(gemma_files):
     """Verification rows of speculated tokens run through the compiled stack, each query token
     with its own causal length and, on the local layers, its own window of 8: prompts that

@@ -21,8 +21,9 @@
 //
 // (Gemma's norms scale by 1 + w: the caller passes that sum as the weight.)
 //
-// A Llama family's windowed layers (set_windows): a native sliding window, or StreamingLLM's
-// sinks + window with in-cache positions (attention/window.py): the window's keys are scored
+// Windowed layers (set_windows; Gemma 3's local ones through extras): a native sliding window,
+// or StreamingLLM's sinks + window with in-cache positions (attention/window.py), each layer its
+// own (window, sinks), one attention plan per distinct pair: the window's keys are scored
 // with q rotated at the row's position p, the sinks' with q rotated at c(p) = min(p, S + W - 1)
 // (the same q before rotation, so every distance stays below S + W):
 //
@@ -36,7 +37,6 @@
 #include "kernels.h"
 
 #include <memory>
-#include <optional>
 
 namespace kvforge {
 namespace {
@@ -168,6 +168,8 @@ struct LayerWeights {
   at::Tensor q_norm, k_norm, post_attn, post_ffn;
   int64_t window = 0;
   int rope = 0;
+  int64_t sinks = 0;              // StreamingLLM sinks beside the window (set_windows)
+  int plan = 0;                   // its step's attention plan: 0 every key, 1 + its window kind
   bool quest_sparse = false;      // QUEST selects this layer's blocks (set_quest)
 };
 
@@ -226,10 +228,11 @@ class DecodeStack {
       if (!extras.empty()) set_extras(w, extras[layers_.size()]);
       layers_.push_back(std::move(w));
     }
+    index_windows();
   }
 
-  // the windowed layers' window (0: none; every windowed layer has the same)
-  int64_t window() const { return window_; }
+  // the widest window of the windowed layers (0: none)
+  int64_t window() const { return max_window_; }
   bool quest() const { return quest_; }
 
   // QUEST (attention/quest.py): every layer's cache is QUEST's head-major layout with its key
@@ -248,34 +251,40 @@ class DecodeStack {
     quest_budget_ = token_budget;
   }
 
-  // A Llama family's attention windows (attention/window.py): per layer its window (0: every
-  // key), one nonzero value for all; `sinks` keys of StreamingLLM for the windowed layers;
-  // sink_rope [sinks + window, 2, head_dim] (cos, sin of positions 0 .. S + W - 1) when the
-  // sinks are scored at in-cache positions, none when at true ones.
-  void set_windows(std::vector<int64_t> windows, int64_t sinks,
+  // The layers' attention windows (attention/window.py): per layer its window (0: every key)
+  // and its StreamingLLM sinks (0: none; only beside a window). The layers with sinks share one
+  // (window, sinks); sink_rope [sinks + window, 2, head_dim] (cos, sin of positions 0 .. S + W
+  // - 1, in the rotation those layers use) when their sinks are scored at in-cache positions,
+  // none when at true ones.
+  void set_windows(std::vector<int64_t> windows, std::vector<int64_t> sinks,
                    c10::optional<at::Tensor> sink_rope) {
-    TORCH_CHECK(windows.size() == layers_.size(), "set_windows: one window per layer, got ",
-                windows.size(), " for ", layers_.size(), " layers");
-    int64_t window = 0;
-    for (int64_t w : windows) {
-      TORCH_CHECK(w >= 0 && (w == 0 || window == 0 || w == window),
-                  "windows must be >= 0 and one value for every windowed layer");
-      if (w > 0) window = w;
+    TORCH_CHECK(windows.size() == layers_.size() && sinks.size() == layers_.size(),
+                "set_windows: one window and one sinks count per layer");
+    int64_t sink_window = 0, sink_count = 0;
+    for (size_t l = 0; l < windows.size(); ++l) {
+      TORCH_CHECK(windows[l] >= 0 && sinks[l] >= 0 && (sinks[l] == 0 || windows[l] > 0),
+                  "layer ", l, ": window ", windows[l], ", sinks ", sinks[l],
+                  " (both >= 0, sinks only beside a window)");
+      if (sinks[l] == 0) continue;
+      TORCH_CHECK(sink_count == 0 || (sinks[l] == sink_count && windows[l] == sink_window),
+                  "the layers with sinks must share one window and sinks count");
+      sink_count = sinks[l], sink_window = windows[l];
     }
-    TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "sinks must be >= 0 and come with a "
-                "window, got ", sinks);
     const bool shifted = sink_rope.has_value() && sink_rope->defined();
     if (shifted) {
       check_fp32_cpu(*sink_rope, "sink_rope");
-      TORCH_CHECK(sinks > 0 && sink_rope->dim() == 3 && sink_rope->size(0) == sinks + window &&
+      TORCH_CHECK(sink_count > 0 && sink_rope->dim() == 3 &&
+                      sink_rope->size(0) == sink_count + sink_window &&
                       sink_rope->size(1) == 2 && sink_rope->size(2) == head_dim_ &&
                       sink_rope->is_contiguous(),
-                  "sink_rope must be [sinks + window, 2, head_dim] (and sinks > 0)");
+                  "sink_rope must be [sinks + window, 2, head_dim] (and some layer has sinks)");
     }
-    for (size_t l = 0; l < layers_.size(); ++l) layers_[l].window = windows[l];
-    window_ = window;
-    sinks_ = sinks;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      layers_[l].window = windows[l];
+      layers_[l].sinks = sinks[l];
+    }
     sink_rope_ = shifted ? *sink_rope : at::Tensor();
+    index_windows();
   }
 
   // hidden [n, hidden] (token embeddings) -> final-normed hidden [n, hidden]
@@ -489,21 +498,17 @@ class DecodeStack {
     const int threads = at::get_num_threads();
     TORCH_CHECK(vocab >= threads, "vocab ", vocab, " smaller than the team");   // argmax parts
     // per step: the plan over every key, and over the window's keys (windowed layers)
-    std::vector<DecodeAttentionPlan> plans, window_plans;
+    std::vector<std::vector<DecodeAttentionPlan>> plans;              // per step
     std::vector<std::unique_ptr<QuestDecodePlan>> quest_plans;     // null: dense this step
     std::vector<std::vector<float>> sink_rows(steps);               // per step [cos | sin]
     std::vector<Rope> sinks_at;
     for (int64_t s = 0; s < steps; ++s)
       sinks_at.push_back(sink_rows_of(lens.data() + s * n, n, sink_rows[s]));
     plans.reserve(steps);
-    window_plans.reserve(steps);
     for (int64_t s = 0; s < steps; ++s) {
       quest_plans.push_back(quest_plan(lens.data() + s * n, n, tables, table_stride, num_slots,
                                        block_size));
-      plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads);
-      if (window_ > 0)
-        window_plans.emplace_back(lens.data() + s * n, n, heads_, kv_heads_, head_dim_, threads,
-                                  window_, sinks_);
+      plans.push_back(step_plans(lens.data() + s * n, n, threads));
     }
     // per step: the layers' claims, then the head's
     const int64_t step_claims = (layers_.size() * kWorks + 1) * threads;
@@ -532,9 +537,7 @@ class DecodeStack {
                       lens.data() + s * n, {rope_at(0, s), rope_at(1, s)}, num_slots,
                       block_size, n, format, quest_plans[s].get(), sinks_at[s]};
         ShareClaim* claim = claims.data() + s * step_claims;
-        DecodeAttentionPlan* step_plans[2] = {&plans[s],
-                                              window_ > 0 ? &window_plans[s] : &plans[s]};
-        const float* last = team_layers(team, st, x.data(), step_plans, claim, sh, pv);
+        const float* last = team_layers(team, st, x.data(), plans[s], claim, sh, pv);
         add_rms_norm_rows(last, hidden_, pv.residual.data(), hidden_,
                           final_norm_.data_ptr<float>(), normed.data(), pv.residual.data(), n,
                           hidden_, eps_);
@@ -672,11 +675,40 @@ class DecodeStack {
     w.window = e[4].cast<int64_t>();
     w.rope = e[5].cast<int>();
     TORCH_CHECK(w.window >= 0, "window must be >= 0, got ", w.window);
-    TORCH_CHECK(w.window == 0 || window_ == 0 || w.window == window_,
-                "every windowed layer must have the same window: ", window_, " and ", w.window);
-    if (w.window > 0) window_ = w.window;
     TORCH_CHECK(w.rope == 0 || w.rope == 1, "rope must be 0 or 1, got ", w.rope);
     ropes_ = std::max(ropes_, w.rope + 1);
+  }
+
+  // The distinct (window, sinks) of the windowed layers, each layer's plan index (0: every
+  // key, 1 + its kind), and what the blocks a row must have depend on.
+  void index_windows() {
+    window_kinds_.clear();
+    max_window_ = max_sinks_ = 0;
+    all_windowed_ = !layers_.empty();
+    for (LayerWeights& w : layers_) {
+      if (w.window == 0) {
+        w.plan = 0;
+        all_windowed_ = false;
+        continue;
+      }
+      const std::pair<int64_t, int64_t> kind{w.window, w.sinks};
+      auto it = std::find(window_kinds_.begin(), window_kinds_.end(), kind);
+      w.plan = 1 + static_cast<int>(it - window_kinds_.begin());
+      if (it == window_kinds_.end()) window_kinds_.push_back(kind);
+      max_window_ = std::max(max_window_, w.window);
+      max_sinks_ = std::max(max_sinks_, w.sinks);
+    }
+  }
+
+  // One step's attention plans over rows `lens`: [every key, then each window kind]
+  std::vector<DecodeAttentionPlan> step_plans(const int64_t* lens, int64_t n,
+                                              int threads) const {
+    std::vector<DecodeAttentionPlan> plans;
+    plans.reserve(1 + window_kinds_.size());
+    plans.emplace_back(lens, n, heads_, kv_heads_, head_dim_, threads);
+    for (const auto& [window, sinks] : window_kinds_)
+      plans.emplace_back(lens, n, heads_, kv_heads_, head_dim_, threads, window, sinks);
+    return plans;
   }
 
   // RMSNorm of `count` heads (head_dim floats each, adjacent) in place: Gemma's q / k norms
@@ -764,11 +796,9 @@ class DecodeStack {
                  int64_t num_slots, int64_t block_size) const {
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot out of range");
     TORCH_CHECK(len >= 1 && len <= table_len * block_size, "seq_len");
-    const bool windowed = window_ > 0 && std::all_of(layers_.begin(), layers_.end(),
-                                                     [](const LayerWeights& w) {
-                                                       return w.window > 0; });
-    const int64_t sink_blocks = (sinks_ + block_size - 1) / block_size;
-    const int64_t first_live = windowed ? std::max<int64_t>(0, len - window_) / block_size : 0;
+    const int64_t sink_blocks = (max_sinks_ + block_size - 1) / block_size;
+    const int64_t first_live =
+        all_windowed_ ? std::max<int64_t>(0, len - max_window_) / block_size : 0;
     for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
       if (b < sink_blocks || b >= first_live)
         TORCH_CHECK(table[b] >= 0 && table[b] * block_size < num_slots, "block id");
@@ -828,7 +858,7 @@ class DecodeStack {
   // the residual stream is in pv.residual. `embedded` [n, hidden] is the first layer's input;
   // `plans`: over every key, over the window's; `claims`: layers * kWorks * team size.
   const float* team_layers(const Team& team, const Step& st, const float* embedded,
-                           DecodeAttentionPlan* const* plans, ShareClaim* claims,
+                           std::vector<DecodeAttentionPlan>& plans, ShareClaim* claims,
                            SharedBuffers& sh, PrivateBuffers& pv) const {
     const int64_t n = st.n;
     const int64_t q_width = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
@@ -871,8 +901,8 @@ class DecodeStack {
       const Rope& rope = st.rope[w.rope];
       const float *cos_p = rope.cos, *sin_p = rope.sin;
       const int64_t cs = rope.cos_stride, ss = rope.sin_stride;
-      float* q_sink = w.window > 0 && st.sink.cos != nullptr ? sh.q_sink.data_ptr<float>()
-                                                             : nullptr;
+      float* q_sink = w.sinks > 0 && st.sink.cos != nullptr ? sh.q_sink.data_ptr<float>()
+                                                            : nullptr;
       if (q_sink != nullptr)            // from q before its rotation: the sinks' positions
         rotary_rows(my_q, qkv_width, q_sink + h0 * head_dim_, q_width, st.sink.cos,
                     st.sink.cos_stride, st.sink.sin, st.sink.sin_stride, n, h1 - h0, head_dim_);
@@ -906,7 +936,7 @@ class DecodeStack {
         });
       } else {
         const auto [keys, values] = kv_planes(cache, st);
-        DecodeAttentionPlan& plan = *plans[w.window > 0 ? 1 : 0];
+        DecodeAttentionPlan& plan = plans[w.plan];
         team.for_shares(plan.num_tasks(), 1, claim + 1 * threads,
                         [&](int64_t t0, int64_t t1, int64_t) {
           for (int64_t t = t0; t < t1; ++t)
@@ -965,11 +995,7 @@ class DecodeStack {
                      opts, sink_rope_.defined());
     at::Tensor out = at::empty({n, hidden_}, opts);
     const int threads = at::get_num_threads();
-    DecodeAttentionPlan plan(st.lens, n, heads_, kv_heads_, head_dim_, threads);
-    std::optional<DecodeAttentionPlan> window_plan;       // windowed layers only
-    if (window_ > 0)
-      window_plan.emplace(st.lens, n, heads_, kv_heads_, head_dim_, threads, window_, sinks_);
-    DecodeAttentionPlan* plans[2] = {&plan, window_plan ? &*window_plan : &plan};
+    std::vector<DecodeAttentionPlan> plans = step_plans(st.lens, n, threads);
     std::vector<ShareClaim> claims(layers_.size() * kWorks * threads);
     run_team([&](const Team& team) {
       PrivateBuffers pv(n, hidden_, inter);
@@ -1016,7 +1042,7 @@ class DecodeStack {
         }
       const Rope& rope = st.rope[w.rope];
       at::Tensor q_sink;                // the sinks' queries, from q before its rotation
-      if (w.window > 0 && st.sink.cos != nullptr) {
+      if (w.sinks > 0 && st.sink.cos != nullptr) {
         q_sink = at::empty({n, q_width}, hidden.options());
         rotary_rows(qkv_p, qkv_stride, q_sink.data_ptr<float>(), q_width, st.sink.cos,
                     st.sink.cos_stride, st.sink.sin, st.sink.sin_stride, n, heads_, head_dim_);
@@ -1033,8 +1059,8 @@ class DecodeStack {
         const auto [keys, values] = kv_planes(cache, st);
         decode_attention(qkv_p, qkv_stride, head_dim_, keys, values, tables, table_stride, lens,
                          n, heads_, kv_heads_, scale_, attn.data_ptr<float>(), w.window,
-                         w.window > 0 ? sinks_ : 0,
-                         q_sink.defined() ? q_sink.data_ptr<float>() : nullptr, q_width);
+                         w.sinks, q_sink.defined() ? q_sink.data_ptr<float>() : nullptr,
+                         q_width);
       }
       at::Tensor o = w.o(attn);
       TORCH_CHECK(o.size(1) == hidden_ && o.is_contiguous(), "o_proj output");
@@ -1073,9 +1099,11 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
   float scale_;
   Activation activation_ = Activation::kSilu;
-  int64_t window_ = 0;                     // the windowed layers' window (0: none)
-  int64_t sinks_ = 0;                      // StreamingLLM sinks of the windowed layers
-  at::Tensor sink_rope_;                   // their query's rows [S + W, 2, head_dim], if shifted
+  // the windowed layers' distinct (window, sinks); the widest of each; whether every layer is
+  std::vector<std::pair<int64_t, int64_t>> window_kinds_;
+  int64_t max_window_ = 0, max_sinks_ = 0;
+  bool all_windowed_ = false;
+  at::Tensor sink_rope_;                   // the sinks' query rows [S + W, 2, head_dim], if shifted
   bool quest_ = false;                     // QUEST's cache layout (set_quest)
   int64_t quest_budget_ = 0;               // its token budget per sparse layer
   int ropes_ = 1;                          // RoPE tables the layers use (Gemma: 2)
@@ -1103,7 +1131,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def("set_quest", &DecodeStack::set_quest, pybind11::arg("sparse_layers"),
            pybind11::arg("token_budget"))
       .def("set_windows", &DecodeStack::set_windows, pybind11::arg("windows"),
-           pybind11::arg("sinks") = 0, pybind11::arg("sink_rope") = pybind11::none())
+           pybind11::arg("sinks"), pybind11::arg("sink_rope") = pybind11::none())
       .def("can_generate", &DecodeStack::can_generate)
       .def("set_sparsity", &DecodeStack::set_sparsity)
       .def("generate", &DecodeStack::generate,   // releases the GIL itself
