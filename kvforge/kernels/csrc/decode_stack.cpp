@@ -856,7 +856,8 @@ class DecodeStack {
   // (Gemma: the head norms before the rotation on the same heads; the output norms private.)
   // Returns the last layer's output (sh.x, or this thread's pv.post after a post-MLP norm);
   // the residual stream is in pv.residual. `embedded` [n, hidden] is the first layer's input;
-  // `plans`: over every key, over the window's; `claims`: layers * kWorks * team size.
+  // `plans`: over every key, then one per window kind (step_plans); `claims`: layers * kWorks
+  // * team size.
   const float* team_layers(const Team& team, const Step& st, const float* embedded,
                            std::vector<DecodeAttentionPlan>& plans, ShareClaim* claims,
                            SharedBuffers& sh, PrivateBuffers& pv) const {
