@@ -90,9 +90,18 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         inv_freq, attention_scaling = compute_inv_freq(rotary_dim, base, rope_scaling, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
-        # table[p, 0] = [cos | cos], table[p, 1] = [-sin | sin]  (see the module docstring)
-        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_scaling != 1.0:
+            cos.mul_(attention_scaling)
+            sin.mul_(attention_scaling)
+        # table[p, 0] = [cos | cos], table[p, 1] = [-sin | sin]  (see the module docstring),
+        # written in place: 32k positions x 128 dims (Qwen2.5) took ~110 ms through cat + stack
+        half = inv_freq.numel()
+        table = torch.empty(max_position, 2, 2 * half)
+        table[:, 0, :half] = cos
+        table[:, 0, half:] = cos
+        torch.neg(sin, out=table[:, 1, :half])
+        table[:, 1, half:] = sin
         self.register_buffer("cos_sin_table", table.to(device=device, dtype=dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

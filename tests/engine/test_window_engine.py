@@ -11,6 +11,7 @@ from kvforge import LLM, SamplingParams
 from kvforge.attention.window import AttentionWindow
 from kvforge.attention.windowed import WindowedAttentionBackend
 from kvforge.config import EngineConfig
+from tests.helpers.engine_watch import run_and_watch
 from tests.helpers.hf_oracle import hf_greedy
 
 BLOCK = 4
@@ -20,24 +21,6 @@ MAX_TOKENS = 24
 def random_prompts(seed: int, lengths=(5, 33, 18, 47)) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-def run_and_watch(llm, prompts, params):
-    """Generate step by step: (token ids per prompt, most blocks any request held, logprobs).
-    Checks integrity after every step and that every block is back at the end."""
-    engine = llm.engine
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    final, most_held = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        most_held = max([most_held] + [engine.kv_manager.num_held_blocks(r.request_id)
-                                       for r in engine.scheduler.running])
-        engine.check_integrity()
-    assert engine.num_free_blocks == engine.runner.num_blocks, "leaked KV blocks"
-    outs = [final[i].outputs[0] for i in ids]
-    return [o.token_ids for o in outs], most_held, [o.logprobs for o in outs]
 
 
 def backends(llm):

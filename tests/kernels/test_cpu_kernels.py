@@ -690,20 +690,6 @@ def test_decode_stack_not_built_for_other_backends(tiny_model_factory):
     assert build_llama_decode_stack(llm.engine.runner.model) is None
 
 
-def _spy_quest_python_decodes(monkeypatch) -> list:
-    """Layer index of every QUEST sparse decode the Python backend runs (either path)."""
-    from kvforge.attention.quest import QuestAttentionBackend
-    seen = []
-    for name in ("_kernel_sparse_decode", "_sparse_decode"):
-        real = getattr(QuestAttentionBackend, name)
-
-        def spy(self, *args, _real=real, **kwargs):
-            seen.append(self.layer_idx)
-            return _real(self, *args, **kwargs)
-        monkeypatch.setattr(QuestAttentionBackend, name, spy)
-    return seen
-
-
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("window", [(4, 16), (0, 16)])
@@ -799,7 +785,8 @@ def test_quest_decode_stack_matches_python_layers(compiled, tiny_model_factory, 
         stack = llm.engine.runner.model.decode_stack()
         assert stack is not None and stack.quest
         with monkeypatch.context() as m:
-            sparse_in_python = _spy_quest_python_decodes(m)
+            from tests.helpers.engine_watch import spy_quest_sparse_decodes
+            sparse_in_python = spy_quest_sparse_decodes(m)
             on, on_lp = _greedy(llm, prompts, max_tokens=12)
             params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
             multi = [o.outputs[0].token_ids

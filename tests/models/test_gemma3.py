@@ -293,14 +293,8 @@ def test_quest_sparse_decodes_on_the_full_layers_only(gemma_files, monkeypatch):
     assert all(a.window.window == 8 for a in attns if isinstance(a, WindowedQuestBackend))
     stack = model.decode_stack()
     assert (stack is not None and stack.quest) or kernels.cpu_kernels() is None
-    sparse_layers = []
-    for name in ("_kernel_sparse_decode", "_sparse_decode"):
-        real = getattr(QuestAttentionBackend, name)
-
-        def spy(self, *args, _real=real, **kwargs):
-            sparse_layers.append(self.layer_idx)
-            return _real(self, *args, **kwargs)
-        monkeypatch.setattr(QuestAttentionBackend, name, spy)
+    from tests.helpers.engine_watch import spy_quest_sparse_decodes
+    sparse_layers = spy_quest_sparse_decodes(monkeypatch)
     prompts = [[5, 9, 90, 17] * 6, list(range(3, 60, 2))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -325,6 +319,7 @@ def test_streaming_llm_windows_the_full_layers(gemma_files, monkeypatch):
     from kvforge import LLM, SamplingParams
     from kvforge import kernels
     from kvforge.attention.window import AttentionWindow
+    from tests.helpers.engine_watch import run_and_watch
     _, path, _ = gemma_files
     llm = LLM(path, block_size=4, num_kv_blocks=64, attention_sinks=2, sliding_window=16)
     model = llm.engine.runner.model
@@ -335,26 +330,16 @@ def test_streaming_llm_windows_the_full_layers(gemma_files, monkeypatch):
     assert (stack is not None and stack.window == 16) or kernels.cpu_kernels() is None
     prompts = [[5, 9, 90, 17] * 10, list(range(3, 60, 2))]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
-    engine = llm.engine
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    final, most_held = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0]
-        most_held = max([most_held] + [engine.kv_manager.num_held_blocks(r.request_id)
-                                       for r in engine.scheduler.running
-                                       if r.num_computed_tokens > r.num_prompt_tokens])
-    on = [final[i] for i in ids]
-    assert all(len(o.token_ids) == 48 for o in on)
+    tokens, most_held, logprobs = run_and_watch(llm, prompts, params, decoding_only=True)
+    assert all(len(t) == 48 for t in tokens)
     assert 0 < most_held <= 6                   # decoding: ceil(2 / 4) + ceil((3 + 15 + 1) / 4)
     monkeypatch.setattr(model, "_decode_stack", None)
     monkeypatch.setattr(llm.engine.runner, "_stack_limit", None)
     off = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert [o.token_ids for o in on] == [o.token_ids for o in off]
-    for a, b in zip(on, off):
-        got = torch.tensor([lp[t] for lp, t in zip(a.logprobs, a.token_ids)])
-        want = torch.tensor([lp[t] for lp, t in zip(b.logprobs, b.token_ids)])
+    assert tokens == [o.token_ids for o in off]
+    for a, t, b in zip(logprobs, tokens, off):
+        got = torch.tensor([lp[x] for lp, x in zip(a, t)])
+        want = torch.tensor([lp[x] for lp, x in zip(b.logprobs, b.token_ids)])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     llm.engine.check_integrity()
     assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
