@@ -66,7 +66,9 @@ class Tokenizer:
                 hf.save_pretrained(tmp)
                 # the form later starts read fastest (tokenizer_file.compact_tokenizer_json)
                 compact_tokenizer_json(os.path.join(tmp, "tokenizer.json"))
+                _record_source(tmp, path)
                 os.makedirs(os.path.dirname(cached), exist_ok=True)
+                _prune_stale_entries(os.path.dirname(cached))
                 os.replace(tmp, cached)
             except OSError:  # read-only home or a concurrent writer: the cache is optional
                 pass
@@ -164,6 +166,40 @@ def _generation_config_eos(model_dir: str) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+_SOURCE_FILE = "source.json"
+
+
+def _source_stamp(path: str) -> dict | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _record_source(entry: str, path: str) -> None:
+    """The GGUF file a cache entry was converted from, beside it (``_prune_stale_entries``)."""
+    with open(os.path.join(entry, _SOURCE_FILE), "w", encoding="utf-8") as f:
+        json.dump(_source_stamp(path), f)
+
+
+def _prune_stale_entries(root: str) -> None:
+    """Remove the cache entries whose GGUF file is gone or changed (its key can never be asked
+    for again): files converted once from temporary paths (test suites, downloads moved away)
+    would otherwise pile up, ~0.1-35 MB each. Run when an entry is written, never on a hit.
+    Entries without a recorded source are left alone."""
+    import shutil
+    for name in os.listdir(root):
+        entry = os.path.join(root, name)
+        try:
+            with open(os.path.join(entry, _SOURCE_FILE), encoding="utf-8") as f:
+                recorded = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(recorded, dict) or _source_stamp(recorded.get("path", "")) != recorded:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _gguf_tokenizer_cache_dir(path: str) -> str | None:

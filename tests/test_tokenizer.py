@@ -1,6 +1,8 @@
 """Tokenizer over SmolLM2's GGUF vocabulary: ids, round trips, chat template, stop ids."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvforge.tokenizer import Tokenizer
@@ -105,9 +107,28 @@ def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch, default_model_pa
     fresh = Tokenizer.from_gguf(default_model_path)          # builds and fills the cache
     cache = _gguf_tokenizer_cache_dir(default_model_path)
     assert cache.startswith(str(tmp_path)) and (tmp_path / "tokenizers").is_dir()
+    assert (Path(cache) / "source.json").is_file()            # what it was converted from
     cached = Tokenizer.from_gguf(default_model_path)         # loads from the cache
     text = "Hello wörld 🤖 — 東京 <|im_end|>\n  spaces"
     assert cached.encode(text) == fresh.encode(text)
     assert cached.eos_token_ids == fresh.eos_token_ids
     msgs = [{"role": "user", "content": "hi"}]
     assert cached.apply_chat_template(msgs) == fresh.apply_chat_template(msgs)
+
+
+def test_gguf_tokenizer_cache_drops_entries_of_files_gone_or_changed(tmp_path):
+    """Writing an entry prunes those whose GGUF file was deleted or rewritten (their keys can
+    never be asked for again); live ones and entries without a recorded source stay."""
+    from kvforge.tokenizer import _prune_stale_entries, _record_source
+    root = tmp_path / "tokenizers"
+    files = {}
+    for name in ("kept", "deleted", "rewritten"):
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(b"GGUF" + name.encode())
+        (root / name).mkdir(parents=True)
+        _record_source(str(root / name), str(files[name]))
+    (root / "legacy").mkdir()
+    files["deleted"].unlink()
+    files["rewritten"].write_bytes(b"GGUF, longer now")
+    _prune_stale_entries(str(root))
+    assert sorted(p.name for p in root.iterdir()) == ["kept", "legacy"]
