@@ -119,10 +119,9 @@ def _check_architecture(model_config: "ModelConfig", what: str) -> None:
 def _own_attention_windows(model_config: "ModelConfig") -> list[AttentionWindow | None] | None:
     """A model class's own per-layer windows (``own_attention_windows``), or None."""
     from kvforge.models.registry import get_model_class
-    cls = get_model_class(model_config.architecture)
-    if not getattr(cls, "applies_own_sliding_window", False):
+    if not _applies_own_sliding_window(model_config):
         return None
-    return cls.own_attention_windows(model_config)
+    return get_model_class(model_config.architecture).own_attention_windows(model_config)
 
 
 def _applies_own_sliding_window(model_config: "ModelConfig") -> bool:

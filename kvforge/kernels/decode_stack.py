@@ -82,8 +82,8 @@ def _sink_rope(rotary, window) -> torch.Tensor | None:
     no sinks shift."""
     if window is None or not window.shifts_sinks:
         return None
-    cos, sin = rotary.cos_sin(torch.arange(window.span))                  # [S + W, 1, D] each
-    return torch.cat([cos, sin], dim=1).float().contiguous()
+    from kvforge.layers.rotary import cos_sin_rows
+    return cos_sin_rows(rotary, 0, window.span - 1).float()
 
 
 def _window_rotary(model):

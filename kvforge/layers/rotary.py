@@ -73,6 +73,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict[str, Any], max_pos: int) -
     return torch.where(in_band, blended, scaled)
 
 
+def cos_sin_rows(rotary: nn.Module, first: int, last: int,
+                 device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``rotary.cos_sin`` of positions ``first .. last`` (in ``dtype``, for a module that takes
+    one) as one table ``[last - first + 1, 2, rotary_dim]``, row i = (cos, signed sin) of
+    position first + i: the layout of the compiled decode stack's RoPE tables."""
+    positions = torch.arange(first, last + 1, device=device)
+    cos, sin = rotary.cos_sin(positions) if dtype is None else rotary.cos_sin(positions, dtype)
+    return torch.cat([cos, sin], dim=1).contiguous()
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed RoPE table. ``cos_sin(positions)`` once per step, ``apply`` per layer."""
 

@@ -18,13 +18,14 @@ with a true-position window over the normal paged cache, no blocks freed), so th
 exact on its own, with or without an engine; the engine's window planning leaves them alone
 (``applies_own_sliding_window``), and StreamingLLM flags (``--attention-sinks S
 --sliding-window W``, W at least the local window) window the full layers with sinks + W at
-in-cache positions (global RoPE), so generation can pass the context with bounded KV. With QUEST (``--sparse-attention quest``) the full-attention
-layers decode over the top blocks by QUEST's bound and the sliding layers keep their window
-over QUEST's cache layout (``attention/quest.WindowedQuestBackend``). Decode steps run in the
-compiled decode stack (``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and
-each layer's window and RoPE base are options of its layer), with multi-step greedy decoding;
-prefill and anything the stack does not take (QUEST layers) run the Python layers below, the
-reference.
+in-cache positions (global RoPE), so generation can pass the context with bounded KV. With
+QUEST (``--sparse-attention quest``) the full-attention layers decode over the top blocks by
+QUEST's bound and the sliding layers keep their window over QUEST's cache layout
+(``attention/quest.WindowedQuestBackend``). Decode steps run in the compiled decode stack
+(``kernels/decode_stack.py``: the q/k and output norms, gelu-tanh and each layer's window,
+sinks and RoPE base are options of its layer; QUEST's selection too), with multi-step greedy
+decoding; prefill and anything the stack does not take (verification rows under QUEST) run
+the Python layers below, the reference.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from kvforge.attention.windowed import windowed_backend_cls
 from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import OffsetRMSNorm
-from kvforge.layers.rotary import ComputedRotaryEmbedding
+from kvforge.layers.rotary import ComputedRotaryEmbedding, cos_sin_rows
 from kvforge.models.base import PagedKVModelMixin, expected_weight_keys, finish_loading
 from kvforge.models.compiled_decode import CompiledDecodeMixin
 from kvforge.models.config import ModelConfig
@@ -292,12 +293,10 @@ class Gemma3ForCausalLM(CompiledDecodeMixin, PagedKVModelMixin, nn.Module):
     def _stack_rope_tables(self, positions: torch.Tensor, num_steps: int):
         # rows for the positions the call reaches only: no table of every position
         first, last = int(positions.min()), int(positions.max()) + num_steps - 1
-        rows = torch.arange(first, last + 1, device=positions.device)
-        tables = []
-        for rotary in (self.model.rotary_global, self.model.rotary_local):
-            cos, sin = rotary.cos_sin(rows, self.dtype)                     # [rows, 1, D]
-            tables.append(torch.cat([cos, sin], dim=1).contiguous())       # [rows, 2, D]
-        return tables[0], tables[1], first
+        global_rows, local_rows = (cos_sin_rows(rotary, first, last, positions.device, self.dtype)
+                                   for rotary in (self.model.rotary_global,
+                                                  self.model.rotary_local))
+        return global_rows, local_rows, first
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

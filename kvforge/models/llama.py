@@ -24,7 +24,7 @@ from kvforge.layers.embedding import uninitialized_embedding
 from kvforge.layers.activation import GatedActivation
 from kvforge.layers.linear import Linear, MergedLinear, UnquantizedLinearMethod
 from kvforge.layers.norm import RMSNorm
-from kvforge.layers.rotary import RotaryEmbedding
+from kvforge.layers.rotary import RotaryEmbedding, cos_sin_rows
 from kvforge.models.base import (RotaryDecoderLMMixin, copy_plain_parameter, expected_weight_keys,
                                  finish_loading)
 from kvforge.models.compiled_decode import CompiledDecodeMixin
@@ -183,8 +183,7 @@ class LlamaForCausalLM(CompiledDecodeMixin, RotaryDecoderLMMixin, nn.Module):
             return table, None, 0
         # past the table (StreamingLLM beyond the context: layers/rotary_unbounded.py): the
         # rows of the positions the call reaches
-        cos, sin = rotary.cos_sin(torch.arange(first, last + 1, device=positions.device))
-        return torch.cat([cos, sin], dim=1).contiguous(), None, first
+        return cos_sin_rows(rotary, first, last, positions.device), None, first
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
