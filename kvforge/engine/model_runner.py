@@ -42,6 +42,9 @@ class ModelRunner:
     drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
     _last_sampling: tuple[list[Request], SamplingBatch] | None = None
     _stack_limit: object = _UNSET       # _stack_query_limit, resolved on first use
+    # time the fp32 projections' kernel plans on first use (kernels/tune.py); False: cached
+    # plans only
+    times_kernels_at_start = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
@@ -93,7 +96,7 @@ class ModelRunner:
             from kvforge.kernels.tune import tune_model
             tune_model(self.model, max_rows=max(config.max_num_seqs,
                                                 config.max_num_batched_tokens),
-                       head_rows=config.max_num_seqs)
+                       head_rows=config.max_num_seqs, measure=self.times_kernels_at_start)
         if config.activation_sparsity > 0:          # sparse decode projections (kvforge/sparsity)
             from kvforge.sparsity.engine import enable_activation_sparsity
             enable_activation_sparsity(self.model, source, config)

@@ -7,7 +7,8 @@ So on first use on a machine the candidates are timed on the model's shapes and 
 cached under ``~/.cache/kvforge/tune`` (or ``$KVFORGE_CACHE_DIR/tune``), keyed by CPU model,
 torch version, kernel build and thread count; a shape not in the cache is tuned when a model
 first brings it. ``kvforge tune`` tunes again; ``KVFORGE_TUNE=0`` skips tuning (the build's
-defaults and ``LINEAR_ROWS_MAX`` then decide).
+defaults and ``LINEAR_ROWS_MAX`` then decide). An engine under a memory budget (offloading)
+installs cached choices only: the timing's cold copies would not fit its budget.
 
 Per shape [out, in] and row point r (1 .. few-rows, then powers of two; a point serves the rows
 above the previous one), the search is staged so it takes seconds, not minutes:
@@ -460,12 +461,14 @@ def _stderr_progress(done: int, total: int, what: str) -> None:
 
 
 def tune_linear_shapes(shapes: list[tuple[int, int, bool, int]], force: bool = False,
-                       progress: Callable[[int, int, str], None] | None = _stderr_progress
-                       ) -> list[ShapeTuning]:
+                       progress: Callable[[int, int, str], None] | None = _stderr_progress,
+                       measure: bool = True) -> list[ShapeTuning]:
     """Choices for every (in, out, packed, max_rows) shape: from the cache, tuned where missing
     or covering fewer rows (all of them with ``force``), saved, and installed. Without
     compiled kernels (or with KVFORGE_TUNE=0 and no ``force``) nothing is tuned and []
-    returned."""
+    returned. ``measure=False`` installs the cached choices only: a shape without one runs
+    the build's defaults, nothing is timed or written (an engine under a memory budget: the
+    timing's cold copies of each weight take up to 256 MiB)."""
     ops = cpu_kernels() if kernels_enabled() else None
     if ops is None or (not force and not tuning_enabled()):
         return []
@@ -479,8 +482,10 @@ def tune_linear_shapes(shapes: list[tuple[int, int, bool, int]], force: bool = F
         hit = cached.get(t.key)
         if hit is not None and [c.rows_max for c in hit.points][:len(points)] == points:
             wanted.append(hit)
-        else:
+        elif measure:
             missing.append((t, points))
+        elif hit is not None:        # fewer rows than asked: the rows past them run defaults
+            wanted.append(hit)
     total = sum(len(points) for _, points in missing)
     done = 0
     start = time.perf_counter()
@@ -528,12 +533,17 @@ def model_linear_shapes(model: torch.nn.Module, max_rows: int, head_rows: int
 
 
 def tune_model(model: torch.nn.Module, max_rows: int, head_rows: int,
-               force: bool = False) -> list[ShapeTuning]:
-    """Tune (or load the cached choice for) ``model``'s fp32 projections and install it."""
+               force: bool = False, measure: bool = True) -> list[ShapeTuning]:
+    """Tune (or load the cached choice for) ``model``'s fp32 projections and install it
+    (``measure=False``: cached choices only, as tune_linear_shapes)."""
     shapes = model_linear_shapes(model, max_rows, head_rows)
     if not shapes:
         return []
-    tunings = tune_linear_shapes(shapes, force=force)
+    tunings = tune_linear_shapes(shapes, force=force, measure=measure)
+    if not measure and len(tunings) < len(shapes) and tuning_enabled():
+        logger.info("%d fp32 projection shape(s) not timed on this machine yet (not timed "
+                    "under a memory budget): they run the build's defaults; `kvforge tune` "
+                    "times them", len(shapes) - len(tunings))
     for line in describe(tunings):
         logger.info("fp32 linear plan %s", line)
     return tunings

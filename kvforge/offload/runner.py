@@ -83,6 +83,11 @@ def remove_stale_kv_dirs(offload_dir: str) -> None:
 
 
 class OffloadModelRunner(ModelRunner):
+    # the tuner times each weight shape over cold copies of up to 256 MiB, which a memory
+    # budget cannot hold (peak RSS 200+ MiB over a 128 MiB budget on a first start): cached
+    # plans apply, missing ones run the build's defaults until `kvforge tune` times them
+    times_kernels_at_start = False
+
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self._max_model_len = max_model_len
         bound_heap()        # before the engine allocates (streamed_model.bound_heap says why)

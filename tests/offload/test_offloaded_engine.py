@@ -3,7 +3,6 @@
 disk, several batches per block and mixed prefill/decode steps; and the RAM it holds stays
 within the budget."""
 import pytest
-import torch
 
 from kvforge import LLM, SamplingParams
 from tests.offload.conftest import greedy_in_memory
@@ -209,3 +208,30 @@ def test_disk_kv_files_leave_no_name_behind(tiny_dir, tmp_path):
     assert not stale.exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith("kv-")]
     llm.engine.shutdown()
+
+
+def test_start_times_no_kernel_plans_under_a_budget(tiny_dir, offload_dir, monkeypatch,
+                                                    tmp_path):
+    """The tuner's cold weight copies (up to 256 MiB) would break the budget on a first start:
+    an offloaded engine installs cached fp32 plans only; the in-memory engine still times."""
+    from kvforge.kernels import tune
+
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(tune.ENV_VAR, "1")
+    timed = []
+    real_tune_shape = tune.tune_shape
+    monkeypatch.setattr(tune, "tune_shape", lambda *a, **k: timed.append(a[1:3]) or
+                        real_tune_shape(*a, **k))
+    llm = offloaded(tiny_dir, offload_dir, offload_policy="w=50,kv=50", offload_batch_size=2)
+    llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    llm.engine.shutdown()
+    assert timed == [] and not (tmp_path / "tune").exists()
+    tune.install([])
+    shapes = [(64, 48, False, 8)]
+    tune.tune_linear_shapes(shapes, progress=None)              # the in-memory path: timed
+    assert timed == [(64, 48)]
+    tune.install([])
+    cached = tune.tune_linear_shapes(shapes, progress=None, measure=False)
+    assert [t.key for t in cached] == ["48x64"] and timed == [(64, 48)]
+    assert tune.installed()                                     # the cached plan applies
+    tune.install([])
