@@ -209,9 +209,9 @@ def test_unsupported_type_and_bad_rows_are_named(compiled):
 @needs_kernels
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS, ids=lambda t: t.name)
 def test_simd_kernels_equal_the_portable_reference(compiled, qtype):
-    """The ISA's block kernels (codes decoded in registers, rows in groups of up to 4) do the
-    portable kernel's integer arithmetic: equal up to the order of float sums, and a row of a
-    group gets exactly what it gets alone."""
+    """The ISA's block kernels (codes decoded in registers, rows in groups of up to 8, in either
+    loop order: gguf_dot_kernels.inc) do the portable kernel's integer arithmetic: equal up to
+    the order of float sums, and a row of a group gets exactly what it gets alone."""
     n, k = 19, 512
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5 + int(qtype)))
     fast = compiled.GgufWeight([raw], [int(qtype)], k)
