@@ -153,6 +153,45 @@ def test_streaming_output_does_not_depend_on_chunks_batching_forks_or_preemption
     assert llm.engine.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("path", ["decode stack", "python layers"])
+def test_streaming_with_ngram_speculation_matches_streaming_alone(short_context, monkeypatch,
+                                                                  path):
+    """n-gram guesses under StreamingLLM: verification rows attend each through its own window
+    (the compiled stack's rows, or the Python layers' multi-token chunks), rejected lookahead
+    slots are trimmed while the blocks behind the window are freed, and the greedy tokens are
+    those of StreamingLLM alone, past the model's context."""
+    import kvforge.models.compiled_decode as compiled_decode
+    from kvforge import kernels
+    rng = random.Random(7)
+    motif = [rng.randrange(3, 49152) for _ in range(6)]
+    prompts = [motif * 6 + [rng.randrange(3, 49152) for _ in range(5)],
+               [rng.randrange(3, 49152) for _ in range(40)]]
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    expected, _, _ = run_and_watch(streaming_llm(short_context), prompts, params)
+    llm = streaming_llm(short_context, speculative_method="ngram", num_speculative_tokens=4)
+    engine = llm.engine
+    engine.spec.cost, engine.spec.min_acceptance, engine.spec.guard = None, 0.0, None
+    stack_rows = []
+    real = compiled_decode.run_decode_stack
+
+    def spy(stack, model, input_ids, positions, kv_caches, meta):
+        stack_rows.append(max(meta.query_lens_list))
+        return real(stack, model, input_ids, positions, kv_caches, meta)
+    monkeypatch.setattr(compiled_decode, "run_decode_stack", spy)
+    if path == "python layers":
+        monkeypatch.setattr(kernels, "_module", None)
+        monkeypatch.setattr(engine.runner.model, "_decode_stack", None, raising=False)
+        monkeypatch.setattr(engine.runner.model, "_decode_stack_built", True, raising=False)
+    got, most_held, _ = run_and_watch(llm, prompts, params, decoding_only=True)
+    assert got == expected
+    stats = engine.spec_stats
+    assert stats.num_accepted > 0 and stats.num_proposed > stats.num_accepted
+    window = AttentionWindow(4, 16)
+    assert most_held <= window.max_live_blocks(BLOCK, 1 + 4)
+    verified_in_stack = any(rows > 1 for rows in stack_rows)
+    assert verified_in_stack == (path == "decode stack" and kernels.cpu_kernels() is not None)
+
+
 # ------------------------------------------------------------------ fp8 K/V under windows
 @pytest.mark.parametrize("kind", ["native", "streaming"])
 def test_windows_over_an_fp8_cache_do_not_depend_on_the_schedule(mistral_window, short_context,
@@ -194,7 +233,8 @@ def test_windows_over_an_fp8_cache_do_not_depend_on_the_schedule(mistral_window,
     (dict(sliding_window=8, block_size=16), "smaller than one KV block"),
     (dict(attention_sinks=4), "needs a sliding_window"),
     (dict(sliding_window=64, sparse_attention="quest"), "cannot be combined"),
-    (dict(sliding_window=64, speculative_method="ngram"), "speculative decoding"),
+    (dict(sliding_window=64, speculative_method="draft"), "n-gram speculation only"),
+    (dict(sliding_window=64, speculative_method="early-exit"), "n-gram speculation only"),
     (dict(sliding_window=64, preemption_mode="swap"), "preemption_mode='swap'"),
 ])
 def test_config_rejects_bad_window_values(kwargs, match):
