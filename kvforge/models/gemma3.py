@@ -149,18 +149,24 @@ class Gemma3Attention(nn.Module):
             self.attn = get_backend_cls(attn_backend)(self.num_heads, self.num_kv_heads,
                                                       self.head_dim, scale=scale)
 
-    def forward(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def rotated_qkv(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding,
+                    cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k [T, KVH, D], v [T, KVH, D]): q and k normed per head, then rotated
+        (what the attention backend takes; kvforge/offload runs it on a block's rows)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads,
                                                                   self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = rotary.apply(self.q_norm(q), cos, sin)
-        k = rotary.apply(self.k_norm(k), cos, sin)
+        return rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin), v
+
+    def forward(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated_qkv(hidden, rotary, cos, sin)
         out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -10,7 +10,7 @@ import time
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.offload.block_layer import block_layer_forward
+from kvforge.offload.families import streamed_family
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.weight_store import WeightStore, release_layer
@@ -37,7 +37,8 @@ def time_layer_blocks(skeleton, store: WeightStore, batch_size: int, seq_len: in
     buf = AlignedBuffer(store.layers[0]["nbytes"])
     store.read_layer(0, buf.view)
     store.bind_layer(layer, 0, buf.tensor)
-    rotary = skeleton.model.rotary_emb
+    family = streamed_family(type(skeleton))
+    rotary = family.rotary(skeleton.model, 0)
     backend = layer.self_attn.attn
     context = max(1, seq_len // 2)
     per_seq = math.ceil((context + 1) / block_size)
@@ -64,7 +65,7 @@ def time_layer_blocks(skeleton, store: WeightStore, batch_size: int, seq_len: in
         times = []
         for _ in range(reps + 1):
             start = time.perf_counter()
-            block_layer_forward(layer, hidden, hidden, rotary, cos, sin, attend)
+            family.layer_forward(layer, hidden, hidden, rotary, cos, sin, attend)
             times.append(time.perf_counter() - start)
         out.append((n, sorted(times[1:])[reps // 2]))
     release_layer(layer)                  # drop the temporary buffer (the step binds again)

@@ -27,6 +27,7 @@ from kvforge.offload.layer_timing import time_layer_blocks
 from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
 from kvforge.offload.streamed_model import OffloadedLM, bound_heap
+from kvforge.offload.families import streamed_family
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore, release_layer, store_key
 from kvforge.quant.loading import auto_quantization, load_model
@@ -40,8 +41,9 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
     cfg = skeleton.config
     layer_params = sum(e.get("params", math.prod(e["shape"])) for e in store.layers[0]["tensors"])
     vocab, hidden = store.head["shape"]
-    rotary = skeleton.model.rotary_emb
-    fixed = sum(b.numel() * b.element_size() for b in rotary.buffers())
+    fixed = sum(b.numel() * b.element_size()
+                for rotary in streamed_family(type(skeleton)).rotaries(skeleton.model)
+                for b in rotary.buffers())
     fixed += 4 * hidden * (2 * skeleton.num_layers + 1)             # the norms
     return ModelFacts(
         num_layers=skeleton.num_layers, layer_bytes=store.layer_bytes, layer_params=layer_params,
@@ -52,14 +54,10 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
 
 
 def check_streamable(source: ModelSource) -> None:
-    """The streamed forward (block_layer.py) runs Llama decoder layers: Llama, Mistral, Qwen2,
-    Mixtral, Qwen2-MoE. Other families (Gemma 3's extra norms and scaled embeddings, GPT-2,
-    DeepSeek-V2's latent attention) would run wrong, so they are refused by name."""
-    from kvforge.models.llama import LlamaForCausalLM
-    cls = get_model_class(source.config.architecture)
-    if not issubclass(cls, LlamaForCausalLM):
-        raise ValueError(f"offloading streams Llama-family decoders (Llama, Mistral, Qwen2, "
-                         f"Mixtral, Qwen2-MoE); {source.config.architecture} is not supported")
+    """The streamed forward runs the families of ``families.py`` (Llama, Mistral, Qwen2,
+    Mixtral, Qwen2-MoE, Gemma 3); others (GPT-2, DeepSeek-V2's latent attention) would run
+    wrong, so they are refused by name."""
+    streamed_family(get_model_class(source.config.architecture))
 
 
 def _has_gguf_experts(model) -> bool:

@@ -1,5 +1,5 @@
-"""A Llama-family model whose decoder layers, LM head and (where placed there) KV stream from
-the disk tier.
+"""A model (a family of ``families.py``: Llama's or Gemma 3's) whose decoder layers, LM head
+and (where placed there) KV stream from the disk tier.
 
 ``forward`` keeps the model contract the ModelRunner calls (token ids, positions, the paged KV
 caches, the step's AttentionMetadata), so the scheduler, the paged KV, continuous batching and
@@ -26,9 +26,9 @@ from torch import nn
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
-from kvforge.offload.block_layer import block_layer_forward
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
+from kvforge.offload.families import streamed_family
 from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.loader import Stage, StageLoader
@@ -99,6 +99,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                  trace: TraceRecorder | None = None) -> None:
         super().__init__()
         self.inner = skeleton
+        self.family = streamed_family(type(skeleton))
         self.config = skeleton.config
         self.num_layers = skeleton.num_layers
         self.dtype = skeleton.dtype
@@ -247,13 +248,16 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         if self.kv_disk:
             self._schedule_kv(batches, order)
 
-        model = self.inner.model
-        rotary = model.rotary_emb
-        hidden = [self.store.embedding_rows(input_ids[g.tokens[0]:g.tokens[1]]) for g in groups]
+        model, family = self.inner.model, self.family
+        hidden = [family.embed(model, self.store.embedding_rows(input_ids[g.tokens[0]:g.tokens[1]]))
+                  for g in groups]
         residual: list[torch.Tensor | None] = [None] * len(groups)
-        cos_sin = [rotary.cos_sin(positions[g.tokens[0]:g.tokens[1]]) for g in groups]
+        # per RoPE the family's layers take (Gemma 3: local and global), per group
+        cos_sin = {id(rotary): [rotary.cos_sin(positions[g.tokens[0]:g.tokens[1]]) for g in groups]
+                   for rotary in family.rotaries(model)}
         for j in range(self.num_layers):
             layer = model.layers[j]
+            rotary = family.rotary(model, j)
             if j not in self.resident_layers:
                 weights = self.loader.acquire(f"layer {j}")
                 self.store.bind_layer(layer, j, weights.tensor)
@@ -263,20 +267,20 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
             disk = self.kv_disk.get(j)
             for g in (range(len(groups)) if forward_dir else range(len(groups) - 1, -1, -1)):
                 group = groups[g]
-                cos, sin = cos_sin[g]
+                cos, sin = cos_sin[id(rotary)][g]
                 if disk is None:
                     attend = (lambda q, k, v, c=kv_caches[j], m=group.meta:
                               layer.self_attn.attn.forward(q, k, v, c, m))
                 else:
                     attend = self._disk_attention(j, layer, disk, batches, group, forward_dir)
-                hidden[g], residual[g] = block_layer_forward(layer, hidden[g], residual[g],
-                                                             rotary, cos, sin, attend)
+                hidden[g], residual[g] = family.layer_forward(layer, hidden[g], residual[g],
+                                                              rotary, cos, sin, attend)
             self.trace.add("compute", f"layer {j}", start, self.trace.now())
             if j not in self.resident_layers:
                 self.loader.release(weights)
         if self.store_worker is not None:
             self.store_worker.flush()             # the next step reads what this one wrote
-        out = [model.norm(h, r)[0] for h, r in zip(hidden, residual)]
+        out = [family.final_norm(model, h, r) for h, r in zip(hidden, residual)]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _disk_attention(self, j: int, layer, disk: DiskKVLayer, batches: list[_Batch],
@@ -335,6 +339,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
             logits[:, chunk.row_start:chunk.row_end] = y
             self.trace.add("compute", f"head {i}", start, self.trace.now())
             self.loader.release(slot)
+        logits = self.family.logits(self.inner, logits)
         if self._step_seqs and self._step_start is not None:
             self.decode_steps.append((self._step_seqs, self.trace.now() - self._step_start))
             self._step_start = None

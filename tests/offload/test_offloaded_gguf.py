@@ -15,7 +15,6 @@ from tests.distributed.test_tp_gguf import kquant_gguf  # noqa: F401  (fixture)
 from tests.helpers.hf_oracle import TINY_BASE
 from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.loader.gguf_factory import gpt2_bpe_tokenizer, write_hf_model_gguf
-from tests.models.test_gemma3 import gemma_files  # noqa: F401  (fixture)
 from tests.models.test_moe_gguf import moe_gguf  # noqa: F401  (fixture)
 
 PROMPTS = [[5, 6, 7, 100, 2000], list(range(10, 47)), [300 + 7 * i for i in range(19)],
@@ -104,10 +103,11 @@ def test_moe_experts_stream_as_fp32_rows_or_are_refused_as_blocks(moe_gguf, tmp_
         LLM(q8, quantization="gguf", **offload, **ENGINE)
 
 
-def test_families_the_streamed_layers_do_not_run_are_refused(gemma_files, tmp_path):
-    _, path, _ = gemma_files
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not supported"):
-        LLM(path, offload_dir=str(tmp_path), offload_memory_budget="64MiB", **ENGINE)
+def test_families_the_streamed_layers_do_not_run_are_refused(tiny_model_factory, tmp_path):
+    path, _ = tiny_model_factory("gpt2")          # learned positions, no RoPE: not streamed
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported"):
+        LLM(path, quantization="none", offload_dir=str(tmp_path),
+            offload_memory_budget="64MiB", **ENGINE)
     assert not list(tmp_path.iterdir())          # refused before any store was built
 
 
