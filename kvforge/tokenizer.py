@@ -54,6 +54,8 @@ class Tokenizer:
             try:
                 if not is_compact(saved):     # an entry written before the compact form
                     compact_tokenizer_json(saved)
+                if not os.path.isfile(os.path.join(cached, _SOURCE_FILE)):
+                    _record_source(cached, path)     # an entry from before sources were kept
                 return cls(TokenizerFile(cached), saved_dir=cached)
             except Exception:  # a damaged cache entry: rebuild it below
                 pass
@@ -185,18 +187,33 @@ def _record_source(entry: str, path: str) -> None:
         json.dump(_source_stamp(path), f)
 
 
+# an entry without a recorded source (written before sources were kept; a hit records it) is
+# removed once it has gone this long unmodified: it is one no load has asked for since
+LEGACY_ENTRY_MAX_AGE_S = 7 * 24 * 3600
+
+
 def _prune_stale_entries(root: str) -> None:
     """Remove the cache entries whose GGUF file is gone or changed (its key can never be asked
     for again): files converted once from temporary paths (test suites, downloads moved away)
     would otherwise pile up, ~0.1-35 MB each. Run when an entry is written, never on a hit.
-    Entries without a recorded source are left alone."""
+    An entry without a recorded source goes after LEGACY_ENTRY_MAX_AGE_S (rebuilt if asked
+    for again)."""
     import shutil
+    import time
     for name in os.listdir(root):
         entry = os.path.join(root, name)
         try:
             with open(os.path.join(entry, _SOURCE_FILE), encoding="utf-8") as f:
                 recorded = json.load(f)
-        except (OSError, ValueError):
+        except ValueError:
+            recorded = None
+        except OSError:
+            try:
+                legacy = time.time() - os.stat(entry).st_mtime > LEGACY_ENTRY_MAX_AGE_S
+            except OSError:
+                continue
+            if legacy and os.path.isdir(entry) and ".tmp" not in name:
+                shutil.rmtree(entry, ignore_errors=True)
             continue
         if not isinstance(recorded, dict) or _source_stamp(recorded.get("path", "")) != recorded:
             shutil.rmtree(entry, ignore_errors=True)

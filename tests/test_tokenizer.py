@@ -1,6 +1,9 @@
 """Tokenizer over SmolLM2's GGUF vocabulary: ids, round trips, chat template, stop ids."""
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -128,7 +131,23 @@ def test_gguf_tokenizer_cache_drops_entries_of_files_gone_or_changed(tmp_path):
         (root / name).mkdir(parents=True)
         _record_source(str(root / name), str(files[name]))
     (root / "legacy").mkdir()
+    (root / "legacy-unused").mkdir()                  # no source, untouched for 8 days
+    eight_days_ago = time.time() - 8 * 24 * 3600
+    os.utime(root / "legacy-unused", (eight_days_ago, eight_days_ago))
     files["deleted"].unlink()
     files["rewritten"].write_bytes(b"GGUF, longer now")
     _prune_stale_entries(str(root))
     assert sorted(p.name for p in root.iterdir()) == ["kept", "legacy"]
+
+
+def test_a_hit_on_an_entry_without_a_source_records_it(tmp_path, monkeypatch,
+                                                       default_model_path):
+    """Entries written before sources were kept gain one when a load uses them, so pruning
+    can tell them from the abandoned ones."""
+    from kvforge.tokenizer import Tokenizer, _gguf_tokenizer_cache_dir, _source_stamp
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    Tokenizer.from_gguf(default_model_path)
+    source = Path(_gguf_tokenizer_cache_dir(default_model_path)) / "source.json"
+    source.unlink()                                    # as an older version left it
+    Tokenizer.from_gguf(default_model_path)
+    assert json.loads(source.read_text()) == _source_stamp(os.path.abspath(default_model_path))
