@@ -45,6 +45,11 @@ def validate_offload_args(config) -> None:
     if config.speculative_method not in (None, "none"):
         raise ValueError(f"offloading does not combine with speculative decoding "
                          f"({config.speculative_method!r})")
+    if config.sparse_attention not in (None, "none"):
+        # QUEST keeps its own cache layout and per-block key bounds, which the disk tier's
+        # staged blocks do not carry
+        raise ValueError(f"offloading attends densely over staged KV blocks; it does not combine "
+                         f"with sparse_attention={config.sparse_attention!r}")
     if config.preemption_mode != "recompute":
         # swapping copies the RAM pools; a disk-KV layer's blocks live in its disk file
         raise ValueError(f"offloading preempts by recompute (its disk-KV layers' blocks are "
