@@ -21,13 +21,13 @@ from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
+from kvforge.offload.families import streamed_family
 from kvforge.offload.kv_disk import DiskKVLayer
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.layer_timing import time_layer_blocks
 from kvforge.offload.policy import MAX_BLOCK_BATCHES, choose_placement, parse_policy
 from kvforge.offload.store_builder import ensure_store
 from kvforge.offload.streamed_model import OffloadedLM, bound_heap
-from kvforge.offload.families import streamed_family
 from kvforge.offload.trace import TraceRecorder
 from kvforge.offload.weight_store import WeightStore, release_layer, store_key
 from kvforge.quant.loading import auto_quantization, load_model

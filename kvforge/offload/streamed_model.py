@@ -249,11 +249,13 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
             self._schedule_kv(batches, order)
 
         model, family = self.inner.model, self.family
-        hidden = [family.embed(model, self.store.embedding_rows(input_ids[g.tokens[0]:g.tokens[1]]))
+        hidden = [family.embed(model, self.store.embedding_rows(input_ids[g.tokens[0]:
+                                                                           g.tokens[1]]))
                   for g in groups]
         residual: list[torch.Tensor | None] = [None] * len(groups)
         # per RoPE the family's layers take (Gemma 3: local and global), per group
-        cos_sin = {id(rotary): [rotary.cos_sin(positions[g.tokens[0]:g.tokens[1]]) for g in groups]
+        cos_sin = {id(rotary): [rotary.cos_sin(positions[g.tokens[0]:g.tokens[1]])
+                                for g in groups]
                    for rotary in family.rotaries(model)}
         for j in range(self.num_layers):
             layer = model.layers[j]
