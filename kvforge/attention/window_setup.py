@@ -91,10 +91,6 @@ def _check_compatible(config: "EngineConfig", what: str) -> None:
         # KV would be read through block tables whose out-of-window entries are freed
         raise ValueError(f"{what} can be combined with n-gram speculation only, not "
                          f"speculative_method={config.speculative_method!r}")
-    if config.offload_memory_budget is not None:
-        raise ValueError(f"{what} cannot be combined with offloading (offload_memory_budget="
-                         f"{config.offload_memory_budget!r}): the streamed forward reads each "
-                         f"sequence's whole block table from the disk tier, freed blocks too")
     if config.preemption_mode != "recompute":
         raise ValueError(f"{what} frees out-of-window KV blocks; preemption_mode="
                          f"{config.preemption_mode!r} would swap a partly freed block table "

@@ -146,8 +146,9 @@ def _prefill_groups(meta: AttentionMetadata, window: AttentionWindow, seq: int, 
         b = min(query_len, a + tile)
         sink_cols = min(window.sinks, first + b)
         lo, hi = max(window.sinks, first + a - window.window + 1), first + b - 1
+        # (no window columns while the tile's last query is still among the sinks: p < S)
         key_pos = torch.cat([torch.arange(sink_cols, device=device),
-                             torch.arange(lo, hi + 1, device=device)])        # [L]
+                             torch.arange(lo, max(lo, hi + 1), device=device)])  # [L]
         query_pos = torch.arange(first + a, first + b, device=device)         # [Q]
         visible = window.visible(query_pos[:, None], key_pos[None, :])        # [Q, L]
         slots = _slots(meta.block_tables, torch.tensor(seq, device=device), key_pos,

@@ -63,7 +63,8 @@ class ModelRunner:
         # the decode stack's weight layout (kernels/decode_stack.py): packed for 1-4 rows per
         # step, row-major when speculation verifies up to 8
         self.model.pack_decode_weights = config.speculative_method in (None, "none")
-        configure_long_context(self.model, config)    # QUEST budget + layer indices (if any)
+        # QUEST budget + layer indices, attention windows (if any), on the modules that attend
+        configure_long_context(self.attention_model, config)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
@@ -267,6 +268,11 @@ class ModelRunner:
         if not short or len(short) == len(query_lens):
             return None
         return [short, [i for i, q in enumerate(query_lens) if q > limit]]
+
+    @property
+    def attention_model(self) -> torch.nn.Module:
+        """The model whose attention backends and RoPE the long-context setup configures."""
+        return self.model
 
     @property
     def _stack_query_limit(self) -> int | None:

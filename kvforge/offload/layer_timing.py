@@ -60,7 +60,10 @@ def time_layer_blocks(skeleton, store: WeightStore, batch_size: int, seq_len: in
                 y[rows] = backend.forward(q[rows], k[rows], v[rows], cache, meta)
             return y
 
-        cos, sin = rotary.cos_sin(torch.full((seqs,), context, dtype=torch.int64))
+        # inside the RoPE table (StreamingLLM plans past the context; the rotation's cost is
+        # the same at any position)
+        at = min(context, skeleton.config.max_position_embeddings - 1)
+        cos, sin = rotary.cos_sin(torch.full((seqs,), at, dtype=torch.int64))
         hidden = torch.randn(seqs, skeleton.config.hidden_size, dtype=skeleton.dtype) * 0.1
         times = []
         for _ in range(reps + 1):

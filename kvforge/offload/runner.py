@@ -180,6 +180,10 @@ class OffloadModelRunner(ModelRunner):
         config.max_num_seqs = placement.block_seqs
         return OffloadedLM(skeleton, store, placement, TraceRecorder())
 
+    @property
+    def attention_model(self) -> torch.nn.Module:
+        return self.model.inner       # the skeleton's layers attend; OffloadedLM streams them
+
     def _num_kv_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks

@@ -186,8 +186,9 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                 ctx = ctx_all[a:b]
                 tables = tables_all[a:b]
                 slot_of = self.kv_slots.slot_of
-                plan = plan_block_reads([slot_of[x] for t in tables for x in t])
-                local = [[plan.local_of[slot_of[x]] for x in t] for t in tables]
+                # a window's freed entries (NULL_BLOCK, -1) are neither staged nor read
+                plan = plan_block_reads([slot_of[x] for t in tables for x in t if x >= 0])
+                local = [[plan.local_of[slot_of[x]] if x >= 0 else x for x in t] for t in tables]
                 batch.plan = plan
                 batch.local_meta = AttentionMetadata.build(q, ctx, local, B)
                 # the blocks taking this step's tokens move to fresh slots, one run per batch:

@@ -192,6 +192,22 @@ def test_streaming_with_ngram_speculation_matches_streaming_alone(short_context,
     assert verified_in_stack == (path == "decode stack" and kernels.cpu_kernels() is not None)
 
 
+def test_streaming_prompt_shorter_than_the_sinks_on_the_python_layers(short_context,
+                                                                       monkeypatch):
+    """A prefill whose last token is still among the sinks has no window columns (the Python
+    backend's tile built an empty range backwards and raised); the compiled stack's tokens."""
+    from kvforge import kernels
+    prompts = [[7, 8], [9, 10, 11]]                     # 2 and 3 tokens, 4 sinks
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected, _, _ = run_and_watch(streaming_llm(short_context), prompts, params)
+    llm = streaming_llm(short_context)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(llm.engine.runner.model, "_decode_stack", None, raising=False)
+    monkeypatch.setattr(llm.engine.runner.model, "_decode_stack_built", True, raising=False)
+    got, _, _ = run_and_watch(llm, prompts, params)
+    assert got == expected
+
+
 # ------------------------------------------------------------------ fp8 K/V under windows
 @pytest.mark.parametrize("kind", ["native", "streaming"])
 def test_windows_over_an_fp8_cache_do_not_depend_on_the_schedule(mistral_window, short_context,

@@ -29,8 +29,6 @@ def test_offload_off_by_default_and_on_with_a_budget(tmp_path):
     (dict(offload_memory_budget="1GiB", speculative_method="ngram"), "speculative"),
     (dict(offload_memory_budget="1GiB", tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(offload_memory_budget="1GiB", preemption_mode="swap"), "preemption_mode='swap'"),
-    (dict(offload_memory_budget="1GiB", attention_sinks=4, sliding_window=64),
-     "cannot be combined with offloading"),
     (dict(offload_memory_budget="1GiB", sparse_attention="quest"), "sparse_attention='quest'"),
 ])
 def test_bad_offload_arguments(kwargs, match):
@@ -58,15 +56,3 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
     assert (c.offload_memory_budget_bytes, c.offload_policy, c.offload_batch_size,
             c.offload_trace) == (512 * 2 ** 20, "naive", 4, str(tmp_path / "t.json"))
 
-
-def test_a_models_own_sliding_window_is_refused_before_a_store_is_built(tiny_model_factory,
-                                                                        tmp_path):
-    """The streamed forward stages whole block tables; a window plan (here Mistral's own,
-    shorter than the context) would hand it freed blocks: a clear error, nothing written."""
-    from kvforge import LLM
-    path, _ = tiny_model_factory("mistral", sliding_window=8)
-    with pytest.raises(ValueError, match="model sliding_window=8 .* cannot be combined with "
-                                         "offloading"):
-        LLM(path, quantization="none", max_model_len=64, offload_memory_budget="64MiB",
-            offload_dir=str(tmp_path))
-    assert not list(tmp_path.iterdir())
