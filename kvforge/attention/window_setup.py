@@ -15,9 +15,9 @@ KV blocks are freed only when every layer is windowed (a full-attention layer st
 whole context) and one window sees what every other does (the widest: its dead blocks are dead
 for all). Freed blocks break prefix sharing, so the prefix cache is then off.
 Combinations that would read a freed block or a wrong window are refused with a ValueError:
-another cache layout (tiled, QUEST; an fp8 KV cache is fine), speculative decoding other than
-n-gram (a draft model's or early-exit layers' KV), swap preemption, and model families without
-rotary Llama-style attention.
+another cache layout (tiled, QUEST; an fp8 KV cache is fine), a separate draft model (its KV
+through tables with freed entries), swap preemption, and model families without rotary
+Llama-style attention.
 """
 from __future__ import annotations
 
@@ -86,10 +86,11 @@ def _check_compatible(config: "EngineConfig", what: str) -> None:
         raise ValueError(f"{what} runs on the paged KV layout (fp32 or fp8 K/V); it cannot be "
                          f"combined with attention_backend={config.attention_backend!r} "
                          f"(sparse_attention={config.sparse_attention!r})") from None
-    if config.speculative_method not in (None, "none", "ngram"):
-        # n-gram guesses need no KV of their own; a draft model's (or the early-exit layers')
-        # KV would be read through block tables whose out-of-window entries are freed
-        raise ValueError(f"{what} can be combined with n-gram speculation only, not "
+    if config.speculative_method not in (None, "none", "ngram", "early-exit"):
+        # n-gram guesses need no KV of their own and the early-exit draft runs the target's own
+        # (windowed) first layers; a draft model's KV would be read through block tables whose
+        # out-of-window entries are freed, by attention that does not know the window
+        raise ValueError(f"{what} can be combined with n-gram or early-exit speculation, not "
                          f"speculative_method={config.speculative_method!r}")
     if config.preemption_mode != "recompute":
         raise ValueError(f"{what} frees out-of-window KV blocks; preemption_mode="

@@ -35,3 +35,14 @@ def test_untrained_exit_layer_is_refused(tiny_path, saved_heads):
     with pytest.raises(ValueError, match="no trained exit head after layer 3"):
         LLM(tiny_path, block_size=4, num_kv_blocks=32, speculative_method="early-exit",
             speculative_draft_layers=3)
+
+
+def test_streaming_llm_with_early_exit_drafts_matches_streaming_alone(tiny_path, saved_heads):
+    """The exit draft runs the target's own first layers, windowed like the rest: under
+    StreamingLLM (4 sinks, window 16, blocks behind it freed) the tokens are StreamingLLM's."""
+    window = dict(attention_sinks=4, sliding_window=16, max_num_batched_tokens=16)
+    plain, _ = _run(tiny_path, **window)
+    tokens, engine = _run(tiny_path, speculative_method="early-exit", num_speculative_tokens=3,
+                          **window)
+    assert engine.spec_stats.num_proposed > 0 and engine.spec_stats.num_accepted > 0
+    assert tokens == plain
