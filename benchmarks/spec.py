@@ -187,7 +187,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "gain, even where its steps were measured slower)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--streaming", default=None, metavar="S,W",
+                   help="every method under StreamingLLM: S sink tokens + a window of W "
+                        "(n-gram and early-exit speculation run under it)")
+    args = p.parse_args(argv)
+    if args.streaming is not None:
+        try:
+            sinks, window = (int(v) for v in args.streaming.split(","))
+        except ValueError:
+            p.error(f"--streaming {args.streaming!r}: use S,W, e.g. 4,256")
+        args.streaming = dict(attention_sinks=sinks, sliding_window=window)
+    return args
 
 
 def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
@@ -252,6 +262,8 @@ def main(argv=None) -> None:
                       max_model_len=2048, speculative_speed_guard=guarded)
         if args.quantization:
             kwargs["quantization"] = args.quantization
+        if args.streaming:
+            kwargs.update(args.streaming)
         if method not in ("off", "lossy-exit"):
             kwargs["num_speculative_tokens"] = args.num_speculative_tokens
         if method == "lossy-exit":
