@@ -8,12 +8,18 @@ sliding window, MLA latent cache) subclass this and register themselves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
 
 _BACKENDS: dict[str, type["AttentionBackend"]] = {}
+
+# attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> the rows' attention output [T, H, D]: a
+# layer's attention call left to its caller (a backend over the paged cache, or kvforge/offload
+# per batch over staged KV)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def register_backend(name: str):

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge.attention.base import get_backend_cls
-from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.base import Attend, get_backend_cls
 from kvforge.attention.quest import WindowedQuestBackend
 from kvforge.attention.window import AttentionWindow
 from kvforge.attention.windowed import windowed_backend_cls
@@ -149,24 +148,20 @@ class Gemma3Attention(nn.Module):
             self.attn = get_backend_cls(attn_backend)(self.num_heads, self.num_kv_heads,
                                                       self.head_dim, scale=scale)
 
-    def rotated_qkv(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding,
-                    cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, H, D], k [T, KVH, D], v [T, KVH, D]): q and k normed per head, then rotated
-        (what the attention backend takes; kvforge/offload runs it on a block's rows)."""
+    def forward(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """q and k normed per head, then rotated; ``attend(q, k, v)`` gives the rows' attention
+        output [T, H, D] (the layer's backend over the paged cache, or kvforge/offload's per
+        batch over staged KV); then o_proj."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads,
                                                                   self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin), v
-
-    def forward(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.rotated_qkv(hidden, rotary, cos, sin)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+        out = attend(rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin),
+                     v)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -184,7 +179,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(h, eps, dtype, device)
 
     def forward(self, hidden, rotary, cos, sin, kv_cache, meta):
-        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos, sin, kv_cache, meta)
+        backend = self.self_attn.attn
+        return self.forward_attending(hidden, rotary, cos, sin,
+                                      lambda q, k, v: backend.forward(q, k, v, kv_cache, meta))
+
+    def forward_attending(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding,
+                          cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layer with ``attend`` for its attention call (kvforge/offload attends per batch
+        on staged KV). No residual stream: each sub-block's output is normed before it is
+        added."""
+        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos, sin, attend)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)

@@ -8,12 +8,9 @@ the projections batch by batch, as FlexGen's GPU batch does, would leave most of
 table."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-# attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> the rows' attention output [T, H, D]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from kvforge.attention.base import Attend
 
 
 def block_layer_forward(layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary,

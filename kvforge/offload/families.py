@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.offload.block_layer import Attend, block_layer_forward
+from kvforge.attention.base import Attend
+from kvforge.offload.block_layer import block_layer_forward
 
 
 class LlamaStreaming:
@@ -60,14 +61,7 @@ class Gemma3Streaming:
     def layer_forward(self, layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary,
                       cos: torch.Tensor, sin: torch.Tensor, attend: Attend
                       ) -> tuple[torch.Tensor, None]:
-        """Gemma3DecoderLayer.forward with ``attend`` for its attention call (no residual
-        stream: each sub-block's output is normed before it is added)."""
-        attn = layer.self_attn
-        q, k, v = attn.rotated_qkv(layer.input_layernorm(hidden), rotary, cos, sin)
-        out = attn.o_proj(attend(q, k, v).reshape(hidden.shape[0], attn.q_size))
-        hidden = hidden + layer.post_attention_layernorm(out)
-        mlp = layer.mlp(layer.pre_feedforward_layernorm(hidden))
-        return hidden + layer.post_feedforward_layernorm(mlp), None
+        return layer.forward_attending(hidden, rotary, cos, sin, attend), None
 
     def final_norm(self, model, hidden: torch.Tensor, residual: torch.Tensor | None
                    ) -> torch.Tensor:

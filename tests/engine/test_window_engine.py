@@ -13,6 +13,7 @@ from kvforge.attention.windowed import WindowedAttentionBackend
 from kvforge.config import EngineConfig
 from tests.helpers.engine_watch import run_and_watch
 from tests.helpers.hf_oracle import hf_greedy
+from tests.kernels.test_cpu_kernels import _kernels_off
 
 BLOCK = 4
 MAX_TOKENS = 24
@@ -179,9 +180,7 @@ def test_streaming_with_ngram_speculation_matches_streaming_alone(short_context,
         return real(stack, model, input_ids, positions, kv_caches, meta)
     monkeypatch.setattr(compiled_decode, "run_decode_stack", spy)
     if path == "python layers":
-        monkeypatch.setattr(kernels, "_module", None)
-        monkeypatch.setattr(engine.runner.model, "_decode_stack", None, raising=False)
-        monkeypatch.setattr(engine.runner.model, "_decode_stack_built", True, raising=False)
+        _kernels_off(llm, monkeypatch)
     got, most_held, _ = run_and_watch(llm, prompts, params, decoding_only=True)
     assert got == expected
     stats = engine.spec_stats
@@ -196,14 +195,11 @@ def test_streaming_prompt_shorter_than_the_sinks_on_the_python_layers(short_cont
                                                                        monkeypatch):
     """A prefill whose last token is still among the sinks has no window columns (the Python
     backend's tile built an empty range backwards and raised); the compiled stack's tokens."""
-    from kvforge import kernels
     prompts = [[7, 8], [9, 10, 11]]                     # 2 and 3 tokens, 4 sinks
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     expected, _, _ = run_and_watch(streaming_llm(short_context), prompts, params)
     llm = streaming_llm(short_context)
-    monkeypatch.setattr(kernels, "_module", None)
-    monkeypatch.setattr(llm.engine.runner.model, "_decode_stack", None, raising=False)
-    monkeypatch.setattr(llm.engine.runner.model, "_decode_stack_built", True, raising=False)
+    _kernels_off(llm, monkeypatch)
     got, _, _ = run_and_watch(llm, prompts, params)
     assert got == expected
 
