@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvforge.attention.base import get_backend_cls
+from kvforge.attention.base import Attend, get_backend_cls
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels.decode_stack import build_llama_decode_stack
 from kvforge.layers.embedding import uninitialized_embedding
@@ -57,6 +57,14 @@ class LlamaAttention(nn.Module):
         q, k, v = self.rotated_qkv(hidden, rotary, cos, sin)
         out = self.attn.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+    def forward_attending(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor,
+                          sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """``forward`` with ``attend(q, k, v)`` (the rows' attention output, [T, H, D]) in
+        place of the backend's call on the paged cache: kvforge/offload attends per batch on
+        the KV it staged for that batch."""
+        q, k, v = self.rotated_qkv(hidden, rotary, cos, sin)
+        return self.o_proj(attend(q, k, v).reshape(hidden.shape[0], self.q_size))
 
     def rotated_qkv(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,14 +108,30 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, hidden, residual, rotary, cos, sin, kv_cache, meta):
+        return self._around_attention(
+            hidden, residual, lambda x: self.self_attn(x, rotary, cos, sin, kv_cache, meta))
+
+    def forward_attending(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                          rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                          attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the attention taken as a call (``LlamaAttention.forward_attending``;
+        Llama attention only, not DeepSeek-V2's MLA subclass). kvforge/offload runs a block's
+        rows through it: the norms and projections over every row in one call each, the
+        attention per batch on that batch's staged KV (on CPU an fp32 GEMM on 8 rows costs ~3x
+        per row what it costs on 128, so projecting batch by batch, as FlexGen's GPU batch
+        does, would leave that on the table)."""
+        return self._around_attention(
+            hidden, residual,
+            lambda x: self.self_attn.forward_attending(x, rotary, cos, sin, attend))
+
+    def _around_attention(self, hidden, residual, attention):
         # the residual stream is carried separately and added inside the next norm:
         # residual = hidden + residual; hidden = norm(residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(attention(hidden), residual)
         return self.mlp(hidden), residual
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.base import Attend
-from kvforge.offload.block_layer import block_layer_forward
 
 
 class LlamaStreaming:
@@ -35,7 +34,7 @@ class LlamaStreaming:
     def layer_forward(self, layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary,
                       cos: torch.Tensor, sin: torch.Tensor, attend: Attend
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return block_layer_forward(layer, hidden, residual, rotary, cos, sin, attend)
+        return layer.forward_attending(hidden, residual, rotary, cos, sin, attend)
 
     def final_norm(self, model, hidden: torch.Tensor, residual: torch.Tensor | None
                    ) -> torch.Tensor:
