@@ -26,9 +26,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     source = load_model_source(args.model_opt or args.model)
     model = load_model(source, quantization="none")
     model.eval()
-    if not hasattr(getattr(model, "model", None), "layers"):
-        raise ValueError(f"exit heads need a Llama-family decoder stack, got "
-                         f"{type(model).__name__}")
+    from kvforge.models.layerwise import layerwise_family
+    layerwise_family(type(model), "exit-head training")
     layers = validate_exit_layers(args.layers or default_exit_layers(model.num_layers),
                                   model.num_layers)
     opts = ExitTraining(tokens=args.tokens, epochs=args.epochs, batch=args.batch, lr=args.lr)

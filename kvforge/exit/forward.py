@@ -1,9 +1,10 @@
-"""The early-exit forward of a Llama-family stack (lossy, LITE-style).
+"""The early-exit forward of a Llama-family or Gemma 3 stack (lossy, LITE-style).
 
 A row may leave at exit layer E when the exit head's top-1 probability is >= P. Its later
 layers are skipped, but later tokens still attend to it there, so each skipped layer gets K/V
 computed from the row's residual stream at the exit (CALM's state propagation, limited to what
-attention reads: input norm, qkv projection, rotary, cache write; no attention, no MLP):
+attention reads: input norm, qkv projection (Gemma 3: and the k norm), rotary, cache write; no
+attention, no MLP):
 
     layer   1 .. E          E+1 .. L
     row     full layers     K/V only from stream_E        output: head_E(stream_E)
@@ -11,7 +12,8 @@ attention reads: input norm, qkv projection, rotary, cache write; no attention, 
 Why this rather than copying layer E's K/V upwards: K/V of layer l are projections with layer
 l's own weights, so a copy would put layer E's keys into another layer's key space; a
 projection of the propagated state stays in each layer's space and costs the qkv product only
-(~16% of a SmolLM2 layer).
+(~16% of a SmolLM2 layer). The layers run through ``models/layerwise.py``, which says per
+family what the residual stream is and which RoPE each layer takes.
 
 In a batch where some rows have exited and others have not, every layer still runs on all rows
 (one forward), with the exited rows' input reset to their frozen stream after each layer: their
@@ -27,6 +29,7 @@ import torch
 
 from kvforge.attention.paged import write_kv_cache
 from kvforge.exit.heads import ExitHeads
+from kvforge.models.layerwise import CachedLayers, set_stream, stream_of
 
 
 @dataclass
@@ -54,10 +57,9 @@ def early_exit_forward(model, heads: ExitHeads, threshold: float, input_ids: tor
                        positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,
                        eligible: torch.Tensor | None = None,
                        stats: ExitStats | None = None) -> ExitResult:
-    stack = model.model
-    rotary = stack.rotary_emb
-    hidden = stack.embed_tokens(input_ids)
-    cos, sin = rotary.cos_sin(positions)
+    layers = CachedLayers(model, "early exit")
+    hidden = layers.embed(input_ids)
+    rope = layers.rope(positions, hidden.dtype)
     num_rows = hidden.shape[0]
     can_exit = (torch.ones(num_rows, dtype=torch.bool, device=hidden.device) if eligible is None
                 else eligible.clone())
@@ -66,21 +68,20 @@ def early_exit_forward(model, heads: ExitHeads, threshold: float, input_ids: tor
     frozen = out = None
     exit_rows, exit_logits = [], []
     residual = None
-    for i, (layer, cache) in enumerate(zip(stack.layers, kv_caches)):
+    for i, cache in enumerate(kv_caches):
         if frozen is not None and bool(exited.all()):
-            fill_skipped_kv(layer, frozen, rotary, cos, sin, cache, meta)
+            fill_skipped_kv(layers, i, frozen, rope[i], cache, meta)
             continue
-        hidden, residual = layer(hidden, residual, rotary, cos, sin, cache, meta)
+        hidden, residual = layers.layer(i, hidden, residual, rope[i], cache, meta)
         if frozen is not None:                  # exited rows: next input is the frozen stream
-            hidden[exited] = 0
-            residual[exited] = frozen[exited]
+            set_stream(hidden, residual, exited, frozen[exited])
         depth = i + 1
         if depth not in heads.layers:
             continue
         rows = (can_exit & ~exited).nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        stream = hidden[rows] + residual[rows]
+        stream = stream_of(hidden[rows], None if residual is None else residual[rows])
         z = heads[depth](stream)
         logits = model.compute_logits(z)
         if stats is not None:
@@ -98,8 +99,7 @@ def early_exit_forward(model, heads: ExitHeads, threshold: float, input_ids: tor
         exit_layer[leave.cpu()] = depth
         exit_rows.append(leave)
         exit_logits.append(logits[go])
-        hidden[leave] = 0
-        residual[leave] = stream[go]
+        set_stream(hidden, residual, leave, stream[go])
     if stats is not None:
         counted = exit_layer[can_exit.cpu()]
         stats.rows += counted.numel()
@@ -108,21 +108,15 @@ def early_exit_forward(model, heads: ExitHeads, threshold: float, input_ids: tor
             if int(e) < model.num_layers:
                 stats.exits[int(e)] = stats.exits.get(int(e), 0) + int(n)
     if frozen is None:                          # nobody left early: the plain final norm
-        normed, _ = stack.norm(hidden, residual)
-        return ExitResult(normed, exited.nonzero().squeeze(1), None)
+        return ExitResult(layers.final_norm(hidden, residual), exited.nonzero().squeeze(1), None)
     rest = ~exited
     if bool(rest.any()):
-        normed, _ = stack.norm(hidden[rest], residual[rest])
-        out[rest] = normed
+        out[rest] = layers.final_norm(hidden[rest], None if residual is None else residual[rest])
     return ExitResult(out, torch.cat(exit_rows), torch.cat(exit_logits))
 
 
-def fill_skipped_kv(layer, stream: torch.Tensor, rotary, cos, sin, kv_cache: torch.Tensor,
-                    meta) -> None:
-    """Write layer's K/V for every row from the residual ``stream`` (see module doc)."""
-    attn = layer.self_attn
-    qkv = attn.qkv_proj(layer.input_layernorm(stream))
-    rows = stream.shape[0]
-    k = qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(rows, attn.num_kv_heads, attn.head_dim)
-    v = qkv[:, attn.q_size + attn.kv_size:].view(rows, attn.num_kv_heads, attn.head_dim)
-    write_kv_cache(kv_cache, rotary.apply(k, cos, sin), v, meta.slot_mapping)
+def fill_skipped_kv(layers: CachedLayers, j: int, stream: torch.Tensor, rope: tuple,
+                    kv_cache: torch.Tensor, meta) -> None:
+    """Write layer j's K/V for every row from the residual ``stream`` (see module doc)."""
+    k, v = layers.stream_kv(j, stream, rope)
+    write_kv_cache(kv_cache, k, v, meta.slot_mapping)

@@ -51,9 +51,13 @@ class ExitHeads(nn.Module):
 
     @classmethod
     def for_model(cls, model, layers: list[int]) -> "ExitHeads":
-        """Heads for a Llama-family ``model``, initialised to its final norm (see module doc)."""
+        """Heads for a Llama-family or Gemma 3 ``model``, initialised to its final norm (see
+        module doc)."""
+        from kvforge.models.layerwise import layerwise_family
+        family = layerwise_family(type(model), "early exit")
         norm = model.model.norm
-        return cls(layers, model.num_layers, model.config.hidden_size, norm.eps, norm.weight)
+        return cls(layers, model.num_layers, model.config.hidden_size, norm.eps,
+                   family.final_norm_scale(model.model))
 
 
 def default_exit_layers(num_layers: int) -> list[int]:

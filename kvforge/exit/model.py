@@ -1,5 +1,5 @@
-"""EarlyExitLM: a Llama-family model whose forward exits early (exit/forward.py), used by the
-engine (``--early-exit-threshold``) and by ``kvforge eval perplexity``.
+"""EarlyExitLM: a Llama-family or Gemma 3 model whose forward exits early (exit/forward.py),
+used by the engine (``--early-exit-threshold``) and by ``kvforge eval perplexity``.
 
 Everything else (KV facts, weights, parameters) is the wrapped model's. The compiled decode
 stack runs every layer, so it is off here: decodes take the Python layers, one step at a time.
@@ -26,8 +26,8 @@ class EarlyExitLM:
                  exit_all_rows: bool = False) -> None:
         """``exit_all_rows``: every row may exit (teacher-forced evaluation); otherwise only the
         last row of each sequence whose query is one token (a decode)."""
-        from kvforge.models.llama import llama_stack
-        llama_stack(model, "early exit")
+        from kvforge.models.layerwise import layerwise_family
+        layerwise_family(type(model), "early exit")
         if heads.num_layers != model.num_layers:
             raise ValueError(f"exit heads for {heads.num_layers} layers, model has "
                              f"{model.num_layers}")

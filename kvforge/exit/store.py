@@ -60,10 +60,10 @@ def load_heads(directory: Path) -> tuple[ExitHeads, dict]:
 
 
 def load_heads_for(model, model_path: str) -> ExitHeads:
-    """The heads trained for this model file, checked against the model's shape. A model
-    without a Llama-family stack is refused first: no heads could be trained for it."""
-    from kvforge.models.llama import llama_stack
-    llama_stack(model, "early exit")
+    """The heads trained for this model file, checked against the model's shape. A family
+    early exit does not run is refused first: no heads could be trained for it."""
+    from kvforge.models.layerwise import layerwise_family
+    layerwise_family(type(model), "early exit")
     heads, _ = load_heads(heads_dir(model_path))
     if heads.num_layers != model.num_layers or heads.hidden_size != model.config.hidden_size:
         raise ValueError(f"exit heads in {str(heads_dir(model_path))!r} were trained for "

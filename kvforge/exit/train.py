@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.exit.heads import ExitHeads
-from kvforge.models.base import RotaryDecoderLMMixin
+from kvforge.models.layerwise import CachedLayers, layerwise_family, stream_of
 
 TEMPEST_OFFSET = 4096   # tokens of The Tempest that `kvforge eval perplexity` scores by default
 WINDOW = 512
@@ -58,31 +58,28 @@ def training_tokens(tokenizer, count: int) -> list[int]:
 def collect_streams(model, ids: list[int], layers: list[int], window: int = WINDOW,
                     progress: bool = True) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """({E: residual stream after layer E [N, d]}, final-normed hidden [N, d]) over ``ids`` cut
-    into independent windows (each a fresh sequence from position 0)."""
+    into independent windows (each a fresh sequence from position 0), the layers run one by
+    one (models/layerwise.py: the Python layers, whatever the compiled decode stack takes)."""
     from tqdm import tqdm
+    run = CachedLayers(model, "exit-head training")
     streams: dict[int, list[torch.Tensor]] = {e: [] for e in layers}
-    handles = []
-    for e in layers:         # layer E - 1's output (hidden, residual): the stream is their sum
-        def hook(module, args, out, e=e):
-            streams[e].append((out[0] + out[1]).float())
-        handles.append(model.model.layers[e - 1].register_forward_hook(hook))
     finals = []
     block = 16
-    try:
-        for start in tqdm(range(0, len(ids), window), desc="hidden states", unit="window",
-                          disable=not progress):
-            piece = torch.tensor(ids[start:start + window])
-            blocks = -(-len(piece) // block)
-            meta = AttentionMetadata.build([len(piece)], [0], [list(range(blocks))], block,
-                                           piece.device)
-            caches = [torch.zeros(model.kv_cache_shape(blocks, block), dtype=model.kv_cache_dtype())
-                      for _ in range(model.num_layers)]
-            # the Python layers (hooks fire), whatever the compiled decode stack would take
-            finals.append(RotaryDecoderLMMixin.forward(model, piece, meta.positions(), caches,
-                                                       meta).float())
-    finally:
-        for h in handles:
-            h.remove()
+    for start in tqdm(range(0, len(ids), window), desc="hidden states", unit="window",
+                      disable=not progress):
+        piece = torch.tensor(ids[start:start + window])
+        blocks = -(-len(piece) // block)
+        meta = AttentionMetadata.build([len(piece)], [0], [list(range(blocks))], block,
+                                       piece.device)
+        hidden = run.embed(piece)
+        rope = run.rope(meta.positions(), hidden.dtype)
+        residual = None
+        for j in range(model.num_layers):
+            cache = torch.zeros(model.kv_cache_shape(blocks, block), dtype=model.kv_cache_dtype())
+            hidden, residual = run.layer(j, hidden, residual, rope[j], cache, meta)
+            if j + 1 in streams:
+                streams[j + 1].append(stream_of(hidden, residual).float())
+        finals.append(run.final_norm(hidden, residual).float())
     return {e: torch.cat(v) for e, v in streams.items()}, torch.cat(finals)
 
 
@@ -95,12 +92,20 @@ def lm_head_weight(model) -> torch.Tensor:
     return w[:model.config.vocab_size]
 
 
+def lm_logits(model):
+    """z [N, d] -> the model's logits [N, vocab] through its fp32 LM head (Gemma 3: then its
+    soft-cap, where the config sets one)."""
+    head_w = lm_head_weight(model)
+    family = layerwise_family(type(model), "exit-head training")
+    return lambda z: family.logits(model, F.linear(z, head_w))
+
+
 def train_heads(model, heads: ExitHeads, streams: dict[int, torch.Tensor], final: torch.Tensor,
                 opts: ExitTraining, progress: bool = True) -> dict:
     """Train ``heads`` in place; returns per-layer held-out KL and top-1 agreement with the
     full model, before and after."""
     from tqdm import tqdm
-    head_w = lm_head_weight(model)
+    logits_of = lm_logits(model)
     n = final.shape[0]
     gen = torch.Generator().manual_seed(opts.seed)
     split = torch.randperm(n, generator=gen)
@@ -111,7 +116,7 @@ def train_heads(model, heads: ExitHeads, streams: dict[int, torch.Tensor], final
     opt = torch.optim.Adam(heads.parameters(), lr=opts.lr)
     steps = max(1, opts.epochs * math.ceil(n_train / opts.batch))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-    before = evaluate(heads, streams, final, head_w, held)
+    before = evaluate(heads, streams, final, logits_of, held)
     bar = tqdm(total=steps, desc="exit heads", unit="step", disable=not progress)
     t0 = time.perf_counter()
     for _ in range(opts.epochs):
@@ -119,8 +124,8 @@ def train_heads(model, heads: ExitHeads, streams: dict[int, torch.Tensor], final
         for i in range(0, n_train, opts.batch):
             rows = order[i:i + opts.batch]
             with torch.no_grad():
-                teacher = F.log_softmax(F.linear(final[rows], head_w), -1)
-            loss = sum(kl(teacher, F.linear(heads[e](streams[e][rows]), head_w))
+                teacher = F.log_softmax(logits_of(final[rows]), -1)
+            loss = sum(kl(teacher, logits_of(heads[e](streams[e][rows])))
                        for e in heads.layers) / len(heads.layers)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -130,7 +135,7 @@ def train_heads(model, heads: ExitHeads, streams: dict[int, torch.Tensor], final
             bar.set_postfix(kl=f"{loss.item():.3f}")
     bar.close()
     heads.requires_grad_(False)
-    after = evaluate(heads, streams, final, head_w, held)
+    after = evaluate(heads, streams, final, logits_of, held)
     return {"before": before, "after": after, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
@@ -141,7 +146,7 @@ def kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def evaluate(heads: ExitHeads, streams, final, head_w, rows: torch.Tensor,
+def evaluate(heads: ExitHeads, streams, final, logits_of, rows: torch.Tensor,
              batch: int = 256) -> dict:
     """{E: {"kl": mean KL, "agree": top-1 agreement with the full model}} over ``rows``."""
     out = {}
@@ -150,8 +155,8 @@ def evaluate(heads: ExitHeads, streams, final, head_w, rows: torch.Tensor,
         idx = rows
         for i in range(0, len(idx), batch):
             r = idx[i:i + batch]
-            t = F.log_softmax(F.linear(final[r], head_w), -1)
-            s = F.linear(heads[e](streams[e][r]), head_w)
+            t = F.log_softmax(logits_of(final[r]), -1)
+            s = logits_of(heads[e](streams[e][r]))
             total_kl += float(kl(t, s)) * len(r)
             agree += int((t.argmax(-1) == s.argmax(-1)).sum())
             count += len(r)

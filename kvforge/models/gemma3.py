@@ -153,15 +153,21 @@ class Gemma3Attention(nn.Module):
         """q and k normed per head, then rotated; ``attend(q, k, v)`` gives the rows' attention
         output [T, H, D] (the layer's backend over the paged cache, or kvforge/offload's per
         batch over staged KV); then o_proj."""
+        out = attend(*self.rotated_qkv(hidden, rotary, cos, sin))
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+    def rotated_qkv(self, hidden: torch.Tensor, rotary: ComputedRotaryEmbedding,
+                    cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k [T, KVH, D], v [T, KVH, D]): q and k normed per head, then rotated
+        (also what early exit caches for the layers a row skips: models/layerwise.py)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads,
                                                                   self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attend(rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin),
-                     v)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin), v
 
 
 class Gemma3DecoderLayer(nn.Module):

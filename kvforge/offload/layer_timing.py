@@ -12,7 +12,7 @@ import torch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.families import streamed_family
+from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.weight_store import WeightStore, release_layer
 
 BLOCK_POINTS = (1, 2, 4, 8, 16, 32)     # batches per block timed (the cost model interpolates)
@@ -37,7 +37,7 @@ def time_layer_blocks(skeleton, store: WeightStore, batch_size: int, seq_len: in
     buf = AlignedBuffer(store.layers[0]["nbytes"])
     store.read_layer(0, buf.view)
     store.bind_layer(layer, 0, buf.tensor)
-    family = streamed_family(type(skeleton))
+    family = layerwise_family(type(skeleton))
     rotary = family.rotary(skeleton.model, 0)
     backend = layer.self_attn.attn
     context = max(1, seq_len // 2)

@@ -21,7 +21,7 @@ from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.families import streamed_family
+from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.kv_disk import DiskKVLayer
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.layer_timing import time_layer_blocks
@@ -42,7 +42,7 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
     layer_params = sum(e.get("params", math.prod(e["shape"])) for e in store.layers[0]["tensors"])
     vocab, hidden = store.head["shape"]
     fixed = sum(b.numel() * b.element_size()
-                for rotary in streamed_family(type(skeleton)).rotaries(skeleton.model)
+                for rotary in layerwise_family(type(skeleton)).rotaries(skeleton.model)
                 for b in rotary.buffers())
     fixed += 4 * hidden * (2 * skeleton.num_layers + 1)             # the norms
     return ModelFacts(
@@ -54,10 +54,10 @@ def model_facts(skeleton, store: WeightStore) -> ModelFacts:
 
 
 def check_streamable(source: ModelSource) -> None:
-    """The streamed forward runs the families of ``families.py`` (Llama, Mistral, Qwen2,
+    """The streamed forward runs the families of ``models/layerwise.py`` (Llama, Mistral, Qwen2,
     Mixtral, Qwen2-MoE, Gemma 3); others (GPT-2, DeepSeek-V2's latent attention) would run
     wrong, so they are refused by name."""
-    streamed_family(get_model_class(source.config.architecture))
+    layerwise_family(get_model_class(source.config.architecture))
 
 
 def _has_gguf_experts(model) -> bool:

@@ -1,5 +1,5 @@
-"""A model (a family of ``families.py``: Llama's or Gemma 3's) whose decoder layers, LM head
-and (where placed there) KV stream from the disk tier.
+"""A model (a family of ``models/layerwise.py``: Llama's or Gemma 3's) whose decoder layers,
+LM head and (where placed there) KV stream from the disk tier.
 
 ``forward`` keeps the model contract the ModelRunner calls (token ids, positions, the paged KV
 caches, the step's AttentionMetadata), so the scheduler, the paged KV, continuous batching and
@@ -28,7 +28,7 @@ from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.offload.families import streamed_family
+from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.loader import Stage, StageLoader
@@ -99,7 +99,7 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
                  trace: TraceRecorder | None = None) -> None:
         super().__init__()
         self.inner = skeleton
-        self.family = streamed_family(type(skeleton))
+        self.family = layerwise_family(type(skeleton))
         self.config = skeleton.config
         self.num_layers = skeleton.num_layers
         self.dtype = skeleton.dtype

@@ -14,6 +14,7 @@ import torch
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.exit.heads import ExitHeads
+from kvforge.models.layerwise import stream_of
 from kvforge.spec.self_draft import SelfDraftModel
 
 
@@ -29,5 +30,4 @@ class ExitDraftModel(SelfDraftModel):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.first_layers(input_ids, positions, kv_caches, meta)
-        return self.head(hidden + residual)
+        return self.head(stream_of(*self.first_layers(input_ids, positions, kv_caches, meta)))

@@ -17,40 +17,38 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.models.layerwise import CachedLayers
 
 
 class SelfDraftModel:
-    """Runs ``num_layers`` of a Llama-family target (``model.model.layers`` etc.)."""
+    """Runs ``num_layers`` of a Llama-family or Gemma 3 target (models/layerwise.py)."""
 
     shares_target_kv = True
 
     def __init__(self, target: torch.nn.Module, num_layers: int) -> None:
-        from kvforge.models.llama import llama_stack
-        stack = llama_stack(target, "self-draft")
-        if not 1 <= num_layers < len(stack.layers):
-            raise ValueError(f"self-draft layers must be in [1, {len(stack.layers)}), got "
-                             f"{num_layers!r}")
+        self.layers = CachedLayers(target, "self-draft")
+        total = len(self.layers.stack.layers)
+        if not 1 <= num_layers < total:
+            raise ValueError(f"self-draft layers must be in [1, {total}), got {num_layers!r}")
         self.target = target
         self.num_layers = num_layers
         self.vocab_size = target.config.vocab_size
 
     def first_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], meta: AttentionMetadata
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the target's first ``num_layers`` layers."""
-        stack = self.target.model
-        hidden = stack.embed_tokens(input_ids)
-        cos, sin = stack.rotary_emb.cos_sin(positions)
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual) after the target's first ``num_layers`` layers (residual None
+        for a family whose layers add their own: models/layerwise.py)."""
+        hidden = self.layers.embed(input_ids)
+        rope = self.layers.rope(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(stack.layers[:self.num_layers], kv_caches[:self.num_layers]):
-            hidden, residual = layer(hidden, residual, stack.rotary_emb, cos, sin, kv_cache, meta)
+        for j in range(self.num_layers):
+            hidden, residual = self.layers.layer(j, hidden, residual, rope[j], kv_caches[j], meta)
         return hidden, residual
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden, _ = self.target.model.norm(*self.first_layers(input_ids, positions, kv_caches,
-                                                               meta))
-        return hidden
+        return self.layers.final_norm(*self.first_layers(input_ids, positions, kv_caches, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)

@@ -1,5 +1,5 @@
-"""Factories for the exit tests: a tiny random Llama, its fp32 model, and exit heads saved where
-the engine looks for them (a private cache dir per test session)."""
+"""Factories for the exit tests: a tiny random Llama and Gemma 3, the fp32 model, and exit
+heads saved where the engine looks for them (a private cache dir per test session)."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +19,18 @@ def _private_heads_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(store, "cache_root", lambda: root)
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tiny_model_factory):
-    path, _ = tiny_model_factory("llama", num_hidden_layers=NUM_LAYERS)
+# Gemma 3: sliding (window 8) and global layers with their own RoPE bases, four norms a layer,
+# a scaled embedding and a soft-capped head; the prompts of the tests outrun the window
+GEMMA3 = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+              layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
+              final_logit_softcapping=5.0)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_path(request, tiny_model_factory):
+    """A tiny random model of each family early exit runs (models/layerwise.py)."""
+    extra = GEMMA3 if request.param == "gemma3" else {}
+    path, _ = tiny_model_factory(request.param, num_hidden_layers=NUM_LAYERS, **extra)
     return path
 
 

@@ -94,6 +94,57 @@ def test_skipped_layers_hold_kv_of_the_exit_stream(tiny_fp32, saved_heads):
     torch.testing.assert_close(kv_exit[0], kv_full[0])
 
 
+def _own_layer(layer, stream, rotary, cos, sin, cache, meta):
+    """The model's own layer forward on rows whose residual stream is ``stream`` (what it
+    caches is the reference for a skipped layer's K/V; Gemma 3's layers carry no residual)."""
+    from kvforge.models.gemma3 import Gemma3DecoderLayer
+    if isinstance(layer, Gemma3DecoderLayer):
+        return layer(stream, rotary, cos, sin, cache, meta)
+    return layer(torch.zeros_like(stream), stream, rotary, cos, sin, cache, meta)
+
+
+def test_skipped_layer_kv_is_what_the_layer_itself_caches_for_the_exit_stream(tiny_fp32,
+                                                                              saved_heads):
+    """Every row exits after layer 1; each later layer's cached K/V equal what that layer's own
+    forward writes for the exit stream (Gemma 3: k normed, its layer's RoPE base), the stream
+    taken from the model's own first layer and exit head input."""
+    from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.exit.train import collect_streams
+    _, model = tiny_fp32
+    tokens = torch.tensor(PROMPTS[2])
+    n, blocks = len(tokens), -(-len(tokens) // 4)
+    kv_exit = [torch.zeros(model.kv_cache_shape(blocks, 4)) for _ in range(model.num_layers)]
+    ee = _exit_all(model, saved_heads, 1e-6)
+    forward_in_chunks(ee, tokens, kv_exit, 4, n)
+    assert ee.stats.exits == {1: n}
+    streams, _ = collect_streams(model, PROMPTS[2], [1], window=n, progress=False)
+    meta = AttentionMetadata.build([n], [0], [list(range(blocks))], 4, tokens.device)
+    stack = model.model
+    for j in range(1, model.num_layers):
+        layer = stack.layers[j]
+        rotary = getattr(stack, "rotary_emb", None)
+        if rotary is None:                                    # Gemma 3: RoPE by layer type
+            rotary = (stack.rotary_local if layer.layer_type == "sliding_attention"
+                      else stack.rotary_global)
+        cos, sin = (rotary.cos_sin(meta.positions()) if hasattr(stack, "rotary_emb")
+                    else rotary.cos_sin(meta.positions(), torch.float32))
+        reference = torch.zeros_like(kv_exit[j])
+        _own_layer(layer, streams[1], rotary, cos, sin, reference, meta)
+        torch.testing.assert_close(kv_exit[j], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_streams_collected_layer_by_layer_end_where_the_model_does(tiny_fp32):
+    """exit/train.py runs the layers one by one (models/layerwise.py); its final hidden states
+    are the model's own forward's (embedding scale, RoPE per layer, final norm)."""
+    from kvforge.exit.train import collect_streams
+    _, model = tiny_fp32
+    ids = PROMPTS[2]
+    _, final = collect_streams(model, ids, [1, 2], window=len(ids), progress=False)
+    kv = [torch.zeros(model.kv_cache_shape(8, 4)) for _ in range(model.num_layers)]
+    own = forward_in_chunks(model, torch.tensor(ids), kv, 4, len(ids))
+    torch.testing.assert_close(final, own, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.5, 1.01, True, "0.9"])
 def test_threshold_outside_range_is_refused(bad):
     with pytest.raises(ValueError, match=r"early_exit_threshold must be in \(0, 1\]"):
@@ -112,13 +163,13 @@ def test_engine_without_trained_heads_says_so(tiny_model_factory):
 
 
 @pytest.mark.parametrize("method", ["lossy", "early-exit"])
-def test_model_without_a_llama_stack_is_refused_before_looking_for_heads(tmp_path, method):
-    """Gemma 3 (its own layers, norms and embedding scale): no heads can be trained for it, so
-    the engine says that rather than asking for `kvforge train-exit-heads`."""
-    from tests.models.test_gemma3 import gemma_files_in, gguf_shaped_hf
-    path, _ = gemma_files_in(tmp_path, gguf_shaped_hf())
+def test_family_early_exit_does_not_run_is_refused_before_looking_for_heads(tiny_model_factory,
+                                                                            method):
+    """GPT-2 (learned positions, its own blocks): no heads can be trained for it, so the
+    engine says that rather than asking for `kvforge train-exit-heads`."""
+    path, _ = tiny_model_factory("gpt2")
     kw = (dict(early_exit_threshold=0.9) if method == "lossy"
           else dict(speculative_method="early-exit"))
-    with pytest.raises(ValueError, match="early exit needs a Llama-family decoder stack, got "
-                                         "Gemma3ForCausalLM"):
+    with pytest.raises(ValueError, match="early exit runs Llama-family decoders .* and Gemma 3 "
+                                         "layer by layer; GPT2LMHeadModel is not supported"):
         LLM(path, block_size=4, num_kv_blocks=16, **kw)

@@ -22,7 +22,8 @@ def build_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
                "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
                "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
                "gpt_bigcode": (tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM),
-               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}
+               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}
     if kind not in classes:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     cfg_cls, model_cls = classes[kind]
@@ -34,6 +35,11 @@ def build_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
         del base["intermediate_size"], base["num_key_value_heads"]
     config = cfg_cls(**{**base, **overrides})
     model = model_cls(config).eval()
+    if kind == "gemma3":
+        with torch.no_grad():            # HF starts Gemma's norms at 0 (scale 1): make them matter
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.5)
     # small shards so the sharded safetensors path (index json) is exercised
     model.save_pretrained(out_dir, max_shard_size="2MB")
     for name in os.listdir(tokenizer_dir):

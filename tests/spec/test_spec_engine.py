@@ -80,6 +80,19 @@ def test_self_draft_greedy_identical(tiny):
     assert engine.spec_stats.num_proposed > 0
 
 
+def test_self_draft_of_gemma3_greedy_identical(tiny_model_factory):
+    """Gemma 3's first layers draft (models/layerwise.py: scaled embedding, RoPE by layer
+    type, sliding windows shorter than the prompts); verification keeps the target's tokens."""
+    from tests.exit.conftest import GEMMA3
+    path, _ = tiny_model_factory("gemma3", num_hidden_layers=4, **GEMMA3)
+    baseline, _, _ = _run(path)
+    tokens, _, engine = _run(path, speculative_method="draft", speculative_draft_layers=2,
+                             num_speculative_tokens=3)
+    assert tokens == baseline
+    assert engine.runner.drafter.model.num_layers == 2
+    assert engine.spec_stats.num_proposed > 0
+
+
 def test_draft_model_is_its_own_target_accepts_everything(tiny):
     """A separate draft model (here the target itself, loaded again with its own KV cache over
     the same blocks): every greedy proposal must be accepted, through chunked prefill and
