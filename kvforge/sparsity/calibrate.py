@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.sparsity.config import KINDS, validate_sparsity
-from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.masking import gated_projections
 from kvforge.sparsity.rotation import (ROTATED_COORDINATES, CoordinateRotation,
                                       calibrate_rotations)
 from kvforge.sparsity.thresholds import SparsityThresholds
@@ -42,7 +42,7 @@ class _Recorder:
         self.gen = torch.Generator().manual_seed(seed)
         self._handles = []
         rotations = rotations or {}
-        for i, mods in enumerate(llama_projections(model)):
+        for i, mods in enumerate(gated_projections(model, mode)):
             if mode == "teal":
                 for kind in KINDS["teal"]:
                     transform = lambda x: x                                 # noqa: E731
@@ -116,7 +116,7 @@ def thresholds_at(samples, levels: dict[str, float], num_layers: int) -> dict[st
 
 def weight_shares(model) -> dict[str, float]:
     """Each kind's fraction of a layer's projection weights."""
-    mods = llama_projections(model)[0]
+    mods = gated_projections(model)[0]
     sizes = {k: mods[k].input_size * mods[k].output_size for k in KINDS["teal"]}
     total = sum(sizes.values())
     return {k: v / total for k, v in sizes.items()}
@@ -129,7 +129,7 @@ def greedy_levels(model, samples, eval_ids: list[int], sparsity: float,
     """Per-kind levels whose weight-weighted mean is ``sparsity`` (see the module doc)."""
     from kvforge.eval.perplexity import window_nll
     from kvforge.sparsity.masking import SparsityMasks
-    num_layers = len(llama_projections(model))
+    num_layers = len(gated_projections(model))
     shares = weight_shares(model)
     levels = {k: 0.0 for k in KINDS["teal"]}
 
@@ -171,7 +171,7 @@ def calibrate(model, token_ids: list[int], sparsity: float, mode: str = "teal",
         rotations = calibrate_rotations(model, token_ids, window)
     rotations = rotations if rotation == "pca" else {}
     samples = record_samples(model, token_ids, mode, window, rotations)
-    num_layers = len(llama_projections(model))
+    num_layers = len(gated_projections(model))
     if mode == "teal" and allocation == "greedy" and sparsity > 0:
         levels = greedy_levels(model, samples, token_ids[:GREEDY_TOKENS], sparsity,
                                rotations=rotations)
@@ -206,7 +206,7 @@ def rotation_pays(model, kind: str, level: float) -> bool:
     """Whether rotating ``kind``'s input can repay its d x d product: the weight rows a level
     skips (level x d rows of the projection's outputs) must outweigh the d x d rotation. Below
     that (a greedy allocation may give gate|up ~10%) the input is thresholded as it is."""
-    mods = llama_projections(model)[0]
+    mods = gated_projections(model)[0]
     return level * mods[kind].output_size > mods[kind].input_size
 
 

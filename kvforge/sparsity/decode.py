@@ -18,7 +18,7 @@ import logging
 import torch
 
 from kvforge.kernels.ops import int8_dot
-from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.masking import gated_projections
 from kvforge.sparsity.rotation import kernel_rotations, rotated_rows
 from kvforge.sparsity.thresholds import SparsityThresholds
 
@@ -54,7 +54,7 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
     # kind -> each layer's compiled x -> x Q (one set of huge-page buffers per kind)
     products = {kind: kernel_rotations(ops, qs) for kind, qs in thresholds.rotations.items()}
     dot = int8_dot() if thresholds.mode == "teal" else None    # the rotations' int8 dot
-    for i, mods in enumerate(llama_projections(model)):
+    for i, mods in enumerate(gated_projections(model, thresholds.mode)):
         entry = [None] * 5
         if thresholds.mode == "teal":
             for slot, kind in enumerate(("qkv", "o", "gate_up", "down")):

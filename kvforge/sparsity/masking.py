@@ -1,4 +1,4 @@
-"""Thresholds applied to a Llama-family model's Python layers (forward hooks): the reference
+"""Thresholds applied to a model's Python layers (forward hooks; Llama family, Gemma 3): the reference
 the compiled sparse decode is tested against, and what ``kvforge eval perplexity
 --activation-sparsity`` runs (every token masked as a sparse decode step would mask it).
 
@@ -20,9 +20,11 @@ from kvforge.sparsity.thresholds import SparsityThresholds
 GGUF_BLOCK = 32
 
 
-def llama_projections(model) -> list[dict[str, torch.nn.Module]]:
+def gated_projections(model, mode: str = "teal") -> list[dict[str, torch.nn.Module]]:
     """Per layer: the modules whose inputs sparsity thresholds ({qkv, o, gate_up, down, act});
-    ValueError for a model without Llama's attention + gated MLP layers."""
+    ValueError for a model without attention (q|k|v, o) + gated-MLP (gate|up, down) layers,
+    or, for CATS, whose gate is not SiLU: CATS thresholds |silu(gate)| (Gemma 3's gelu-tanh
+    gate takes TEAL only)."""
     from kvforge.layers.activation import GatedActivation
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -32,10 +34,13 @@ def llama_projections(model) -> list[dict[str, torch.nn.Module]]:
         names = ("qkv_proj", "o_proj")
         if (attn is None or mlp is None or not all(hasattr(attn, n) for n in names)
                 or not hasattr(mlp, "gate_up_proj") or not hasattr(mlp, "down_proj")
-                or not isinstance(getattr(mlp, "act_fn", None), GatedActivation)
-                or mlp.act_fn.act_name not in ("silu", "swish")):
-            raise ValueError(f"activation sparsity needs Llama-family layers (q|k|v, o, SwiGLU "
-                             f"gate|up, down); layer {i} of {type(model).__name__} is not")
+                or not isinstance(getattr(mlp, "act_fn", None), GatedActivation)):
+            raise ValueError(f"activation sparsity needs layers of q|k|v, o and a gated MLP "
+                             f"(gate|up, down); layer {i} of {type(model).__name__} is not")
+        if mode == "cats" and mlp.act_fn.act_name not in ("silu", "swish"):
+            raise ValueError(f"activation sparsity mode 'cats' thresholds |silu(gate)|; "
+                             f"{type(model).__name__} gates its MLP with "
+                             f"{mlp.act_fn.act_name!r}: use mode 'teal'")
         out.append({"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                     "down": mlp.down_proj, "act": mlp.act_fn})
     if not out:
@@ -53,7 +58,7 @@ class SparsityMasks:
 
     def __init__(self, model, thresholds: SparsityThresholds, max_rows: int | None = None) -> None:
         self.max_rows = max_rows
-        layers = llama_projections(model)
+        layers = gated_projections(model, thresholds.mode)
         if thresholds.num_layers != len(layers):
             raise ValueError(f"thresholds are for {thresholds.num_layers} layers, the model "
                              f"has {len(layers)}")
@@ -128,7 +133,7 @@ def realised_overall(model, realised: dict[str, float]) -> float:
     """The weight-read fraction the zeroed inputs skip, model-wide: each kind's zeroed fraction
     weighted by its projection's weight size (q|k|v, o, gate|up, down; CATS: up and down, up
     being half of gate|up)."""
-    mods = llama_projections(model)[0]
+    mods = gated_projections(model)[0]
     sizes = {k: mods[k].input_size * mods[k].output_size for k in ("qkv", "o", "gate_up", "down")}
     sizes["up"] = sizes["gate_up"] // 2
     total = sum(sizes[k] for k in ("qkv", "o", "gate_up", "down"))

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvforge.sparsity.masking import llama_projections
+from kvforge.sparsity.masking import gated_projections
 
 # inputs rotated under "pca" (the module docstring says why only gate|up's)
 ROTATED_KINDS = ("gate_up",)
@@ -67,7 +67,7 @@ def input_covariances(model, token_ids: list[int], kinds=ROTATED_KINDS,
         return record
 
     handles = [mods[kind].register_forward_pre_hook(hook((kind, i)))
-               for i, mods in enumerate(llama_projections(model)) for kind in kinds]
+               for i, mods in enumerate(gated_projections(model)) for kind in kinds]
     try:
         prefill_windows(model, token_ids, window)
     finally:
@@ -89,7 +89,7 @@ def calibrate_rotations(model, token_ids: list[int], window: int = 512
                         ) -> dict[str, list[torch.Tensor]]:
     """kind -> one Q per layer, for every kind in ROTATED_KINDS."""
     cov = input_covariances(model, token_ids, ROTATED_KINDS, window)
-    num_layers = len(llama_projections(model))
+    num_layers = len(gated_projections(model))
     return {kind: [principal_axes(cov[(kind, i)]) for i in range(num_layers)]
             for kind in ROTATED_KINDS}
 

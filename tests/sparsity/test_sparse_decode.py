@@ -60,6 +60,27 @@ def test_sparse_stack_equals_masked_python_layers(tiny_model_factory, monkeypatc
     assert_stack_equals_masked_layers(llm, _thresholds(llm, 0.5, mode), monkeypatch)
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+def test_gemma3_teal_stack_equals_masked_python_layers(tiny_model_factory, monkeypatch, steps):
+    """Gemma 3's decode stack takes the same sparse projections between its own extras (q/k
+    head norms, post-attention / post-MLP norms, gelu-tanh, windows) and equals its masked
+    Python layers."""
+    from tests.exit.conftest import GEMMA3
+    hf_dir, _ = tiny_model_factory("gemma3", num_hidden_layers=4, **GEMMA3)
+    llm = _llm(hf_dir, num_decode_steps=steps)
+    assert_stack_equals_masked_layers(llm, _thresholds(llm, 0.5, "teal"), monkeypatch)
+
+
+def test_cats_on_a_gelu_gate_is_refused(tiny_model_factory):
+    from tests.exit.conftest import GEMMA3
+    hf_dir, _ = tiny_model_factory("gemma3", num_hidden_layers=4, **GEMMA3)
+    llm = _llm(hf_dir)
+    with pytest.raises(ValueError, match="mode 'cats' thresholds .silu.gate..; "
+                                         "Gemma3ForCausalLM gates its MLP with "
+                                         "'gelu_pytorch_tanh': use mode 'teal'"):
+        _thresholds(llm, 0.5, "cats")
+
+
 def test_qwen2_biases_sparse(tiny_model_factory, monkeypatch):
     """q|k|v biases are added after the sparse product."""
     hf_dir, _ = tiny_model_factory("qwen2")
