@@ -98,7 +98,8 @@ class LLMEngine:
         # a request can grow only as long as the context and the whole KV pool allow
         self.max_len_per_request = min(self.max_model_len, self.scheduler.max_tokens_in_cache)
         # speculative decoding (kvforge/spec); None when off
-        self.spec = build_spec_decoder(config, self.runner, self.max_len_per_request)
+        self.spec = build_spec_decoder(config, self.runner, self.max_len_per_request,
+                                       self.tokenizer)
         forget_block = getattr(self.runner.drafter, "forget_block", None)
         if forget_block is not None:
             # a block handed out for new contents no longer holds the draft's KV (spec/draft.py)

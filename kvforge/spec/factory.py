@@ -20,12 +20,15 @@ SPECULATIVE_METHODS = ("ngram", "draft", "early-exit")
 SPECULATION_MIN_GAIN = 1.05
 
 
-def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder | None:
-    """None when speculation is off; for ``draft`` also sets ``runner.drafter``."""
+def build_spec_decoder(config, runner, max_len_per_request: int,
+                       tokenizer=None) -> SpecDecoder | None:
+    """None when speculation is off; for ``draft`` also sets ``runner.drafter``.
+    ``tokenizer``: the target's (a draft borrowing its head ranks tokens with it; loaded from
+    the model file when not given)."""
     method = config.speculative_method
     if method in (None, "", "none"):
         return None
-    decoder = _build(config, runner, max_len_per_request)
+    decoder = _build(config, runner, max_len_per_request, tokenizer)
     # measured last word: no speculation at batch sizes where it ran slower than decoding alone
     decoder.guard = SpeedGuard() if config.speculative_speed_guard else None
     if decoder.guard is not None and runner.drafter is not None and decoder.draft_stats is None:
@@ -33,7 +36,7 @@ def build_spec_decoder(config, runner, max_len_per_request: int) -> SpecDecoder 
     return decoder
 
 
-def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
+def _build(config, runner, max_len_per_request: int, tokenizer) -> SpecDecoder:
     method = config.speculative_method
     # verification rows per step: what the CPU linear kernel takes in one pass over the weights
     max_rows = kernel_ops.single_pass_rows(runner.device, runner.dtype)
@@ -55,14 +58,14 @@ def _build(config, runner, max_len_per_request: int) -> SpecDecoder:
             cost=cost, max_verify_rows=exact_rows)
     target = runner.model
     if method == "early-exit":
-        runner.drafter = ModelDraftProposer(_exit_draft(config, runner), runner.block_size,
-                                            runner.device)
+        draft = _with_frequent_head(_exit_draft(config, runner), config, runner, tokenizer)
+        runner.drafter = ModelDraftProposer(draft, runner.block_size, runner.device)
         return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
                            max_verify_rows=max_rows)
     if runner.draft_model is None:
         layers = config.speculative_draft_layers or max(1, target.num_layers // 4)
-        runner.drafter = ModelDraftProposer(SelfDraftModel(target, layers), runner.block_size,
-                                            runner.device)
+        draft = _with_frequent_head(SelfDraftModel(target, layers), config, runner, tokenizer)
+        runner.drafter = ModelDraftProposer(draft, runner.block_size, runner.device)
         logger.info("self-draft: first %d of %d layers", layers, target.num_layers)
         return SpecDecoder(config.num_speculative_tokens, None, max_len_per_request,
                            max_verify_rows=max_rows)
@@ -99,6 +102,20 @@ def _exit_draft(config, runner):
     draft = ExitDraftModel(runner.model, heads, config.speculative_draft_layers)
     logger.info("early-exit draft: first %d of %d layers + exit head", draft.num_layers,
                 runner.model.num_layers)
+    return draft
+
+
+def _with_frequent_head(draft, config, runner, tokenizer):
+    """A draft made of the target's first layers borrows the target's LM head: over its most
+    frequent tokens where the vocabulary is large (FR-Spec, spec/frequent_vocab.py; Gemma 3's
+    262,144 x 640 head is most of what its draft token would read)."""
+    from kvforge.spec.frequent_vocab import install, resolve_size
+    if resolve_size(config.speculative_draft_vocab, runner.model.config.vocab_size) == 0:
+        return draft                                    # the whole head: nothing to rank
+    if tokenizer is None:
+        from kvforge.loader.source import load_model_source
+        tokenizer = load_model_source(runner.model_path).load_tokenizer()
+    install(draft, tokenizer, config.speculative_draft_vocab, head_owner=runner.model)
     return draft
 
 

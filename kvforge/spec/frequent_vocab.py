@@ -108,7 +108,8 @@ def _stdlib_source(max_chars: int) -> str:
 
 class FrequentVocabHead:
     """``compute_logits`` of a draft model over ``token_ids`` only (full-width logits, -inf
-    elsewhere, so argmax, sampling and confidences downstream are unchanged)."""
+    elsewhere, so argmax, sampling and confidences downstream are unchanged). A soft-capped
+    head (Gemma 3 configs that set one) is capped here too."""
 
     def __init__(self, model, token_ids: torch.Tensor) -> None:
         head = model.lm_head
@@ -126,6 +127,8 @@ class FrequentVocabHead:
             raise ValueError(f"a frequent-token draft head needs float or GGUF head weights, "
                              f"got {type(method).__name__}")
         self.bias = None if head.bias is None else head.bias[self.token_ids].contiguous()
+        options = getattr(model, "options", None)
+        self.softcap = getattr(options, "final_logit_softcapping", None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
@@ -133,19 +136,24 @@ class FrequentVocabHead:
             sub = torch.nn.functional.linear(x, self.weight, self.bias)
         else:
             sub = blocks_multiply(self.weight, x, self.bias)
+        sub = sub.float()
+        if self.softcap is not None:
+            sub = torch.tanh(sub / self.softcap) * self.softcap
         logits = torch.full((x.shape[0], self.vocab_size), float("-inf"), device=x.device)
-        logits[:, self.token_ids] = sub.float()
+        logits[:, self.token_ids] = sub
         return logits
 
 
-def install(model, tokenizer, requested: int | None) -> int:
-    """Give draft ``model`` a frequent-token head where it pays; returns the set size (0:
-    the whole head kept)."""
-    size = resolve_size(requested, model.config.vocab_size)
+def install(model, tokenizer, requested: int | None, head_owner=None) -> int:
+    """Give draft ``model`` a frequent-token head where it pays, made from the LM head of
+    ``head_owner`` (default the draft itself; a self-draft or exit draft: the target, whose
+    head it borrows); returns the set size (0: the whole head kept)."""
+    owner = model if head_owner is None else head_owner
+    size = resolve_size(requested, owner.config.vocab_size)
     if size == 0:
         return 0
-    ids = frequent_token_ids(tokenizer, size, model.config.vocab_size)
-    model.compute_logits = FrequentVocabHead(model, ids)
+    ids = frequent_token_ids(tokenizer, size, owner.config.vocab_size)
+    model.compute_logits = FrequentVocabHead(owner, ids)
     logger.info("draft head: the %d most frequent of %d tokens (FR-Spec)", len(ids),
-                model.config.vocab_size)
+                owner.config.vocab_size)
     return len(ids)

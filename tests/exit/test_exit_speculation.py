@@ -46,3 +46,24 @@ def test_streaming_llm_with_early_exit_drafts_matches_streaming_alone(tiny_path,
                           **window)
     assert engine.spec_stats.num_proposed > 0 and engine.spec_stats.num_accepted > 0
     assert tokens == plain
+
+
+@pytest.mark.parametrize("method", ["early-exit", "draft"])
+def test_drafts_from_the_targets_layers_borrow_a_frequent_token_head(tiny_path, saved_heads,
+                                                                     tmp_path, monkeypatch,
+                                                                     method):
+    """The exit draft and the self-draft read the target's LM head; with
+    ``speculative_draft_vocab`` only its rows of the N most frequent tokens (FR-Spec): drafts
+    propose nothing else and the output stays the target's."""
+    import torch
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))      # the set is cached there
+    plain, _ = _run(tiny_path)
+    tokens, engine = _run(tiny_path, speculative_method=method, num_speculative_tokens=3,
+                          speculative_draft_layers=2, speculative_draft_vocab=2000)
+    assert tokens == plain
+    draft = engine.runner.drafter.model
+    kept = set(draft.compute_logits.token_ids.tolist())
+    assert 2000 <= len(kept) < 2010                   # N + the special tokens
+    logits = draft.compute_logits(torch.randn(2, engine.runner.model.config.hidden_size))
+    assert set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == kept
+    assert engine.spec_stats.num_proposed > 0
