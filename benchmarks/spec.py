@@ -202,7 +202,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _workloads(tokenizer, args) -> dict[str, list[list[int]]]:
     def chat(*turns: str) -> list[int]:
-        """The chat template over user, assistant, user, .. turns."""
+        """The chat template over user, assistant, user, .. turns; a base model without a
+        template (gemma-3-270m) gets the turns as plain text, a blank line apart."""
+        if tokenizer.chat_template is None:
+            return tokenizer.encode("\n\n".join(turns) + "\n\n")
         roles = ["user", "assistant"] * len(turns)
         return tokenizer.apply_chat_template(
             [{"role": r, "content": t} for r, t in zip(roles, turns)])
