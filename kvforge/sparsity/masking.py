@@ -1,5 +1,5 @@
-"""Thresholds applied to a model's Python layers (forward hooks; Llama family, Gemma 3): the reference
-the compiled sparse decode is tested against, and what ``kvforge eval perplexity
+"""Thresholds applied to a model's Python layers (forward hooks; Llama family, Gemma 3): the
+reference the compiled sparse decode is tested against, and what ``kvforge eval perplexity
 --activation-sparsity`` runs (every token masked as a sparse decode step would mask it).
 
 TEAL masks the input of each projection, ``x * (|x| > t)``, or for a rotated input
