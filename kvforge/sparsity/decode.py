@@ -93,6 +93,22 @@ def sparse_layers(model, thresholds: SparsityThresholds, ops) -> tuple[list[list
     return layers, covered
 
 
+def why_dense(model, mode: str) -> str | None:
+    """Why ``model``'s decode steps could not run sparse (no compiled stack, or no projection
+    in a format the sparse kernels read), or None: what the engine checks before it spends a
+    calibration on thresholds nothing would use."""
+    from kvforge.kernels import cpu_kernels
+    if cpu_kernels() is None or not hasattr(model, "decode_stack") or model.decode_stack() is None:
+        return "activation sparsity needs the compiled decode stack"
+    kinds = ("gate_up", "down") if mode == "cats" else ("qkv", "o", "gate_up", "down")
+    for mods in gated_projections(model, mode):
+        readable = [_weight_rows(mods[k]) is not None for k in kinds]
+        if all(readable) if mode == "cats" else any(readable):
+            return None
+    return ("no projection of this model has weights the sparse kernels read (fp32, int8; "
+            "GGUF blocks decode dense: --quantization none or int8 runs them sparse)")
+
+
 def enable_sparse_decode(model, thresholds: SparsityThresholds) -> int:
     """Give ``model``'s compiled decode stack its sparse projections; returns how many
     projections run sparse (0: no stack, or no projection our sparse kernels read)."""

@@ -135,3 +135,22 @@ def test_engine_option_calibrates_and_decodes_sparse(tiny_model_factory, tmp_pat
                  activation_sparsity_allocation="uniform")
     assert list((tmp_path / "sparsity").rglob("teal-uniform-S0.600.json"))
     assert _greedy(sparse, prompts, max_tokens=10)[0] != dense
+
+
+def test_gguf_blocks_decode_dense_without_calibrating(default_model_path, monkeypatch, caplog):
+    """The native GGUF path has no projection the sparse kernels read: the engine says so at
+    start instead of calibrating thresholds (a minute of fp32 prefills) nothing would use."""
+    import logging
+    import kvforge.sparsity.engine as engine_mod
+    from kvforge.engine.llm import LLM
+
+    def fail(*a, **k):
+        raise AssertionError("calibrated for a model that decodes dense")
+    monkeypatch.setattr(engine_mod, "load_or_calibrate", fail)
+    with caplog.at_level(logging.WARNING, logger="kvforge.sparsity.engine"):
+        llm = LLM(default_model_path, num_kv_blocks=64, block_size=16, activation_sparsity=0.25)
+    assert "GGUF blocks decode dense" in caplog.text
+    from tests.kernels.test_cpu_kernels import _greedy
+    prompts = [[5, 17, 300, 42, 9]]
+    dense = LLM(default_model_path, num_kv_blocks=64, block_size=16)
+    assert _greedy(llm, prompts, max_tokens=8) == _greedy(dense, prompts, max_tokens=8)
