@@ -137,7 +137,8 @@ class Tokenizer:
                     tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (a base model?); pass a plain "
-                             "prompt instead (kvforge generate --no-chat-template)")
+                             "prompt instead (the server's /v1/completions, `kvforge generate "
+                             "--no-chat-template`, LLM.generate)")
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         if tools and not self.renders_tools:
