@@ -103,8 +103,10 @@ def load_or_calibrate(model, source, sparsity: float, mode: str, quantization: s
         cached = load_thresholds(key, mode, sparsity, allocation, rotation, model.num_layers)
         if cached is not None:
             return cached
-    logger.info("calibrating %s (%s, rotation %s) activation sparsity %.2f for %s", mode,
-                allocation, rotation, sparsity, key)
+    # a warning, not info: a first start runs minutes of prefills (Qwen2.5-Coder-0.5B int8,
+    # greedy: 4 min 19 s), which the user should know are not a hang
+    logger.warning("calibrating %s (%s, rotation %s) activation sparsity %.2f for %s (once; "
+                   "the thresholds are cached)", mode, allocation, rotation, sparsity, key)
     tokenizer = source.load_tokenizer()
     ids = calibration_tokens(tokenizer)[:tokens or CALIBRATION_TOKENS]
     rotations = fresh = None

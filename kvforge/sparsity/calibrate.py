@@ -18,6 +18,8 @@ arrives behind the earlier layers' masks (see ``calibrate``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -101,9 +103,12 @@ def record_samples(model, token_ids: list[int], mode: str, window: int = WINDOW,
 
 
 def prefill_windows(model, token_ids: list[int], window: int = WINDOW) -> None:
-    """Prefills of ``token_ids`` in windows of ``window`` tokens (for hooks to watch)."""
+    """Prefills of ``token_ids`` in windows of ``window`` tokens (for hooks to watch), with a
+    progress bar on a terminal (a first calibration of a 0.5B int8 model takes minutes)."""
+    from tqdm import tqdm
     from kvforge.eval.perplexity import window_nll
-    for start in range(0, len(token_ids), window):
+    for start in tqdm(range(0, len(token_ids), window), desc="sparsity calibration prefills",
+                      unit="window", leave=False, disable=None):
         piece = token_ids[start:start + window]
         if len(piece) >= 2:
             window_nll(model, piece)
@@ -140,6 +145,9 @@ def greedy_levels(model, samples, eval_ids: list[int], sparsity: float,
             total, n = window_nll(model, eval_ids)
         return total / n
 
+    from tqdm import tqdm
+    bar = tqdm(total=math.ceil(sparsity / step - 1e-9), desc="sparsity greedy allocation",
+               unit="round", leave=False, disable=None)
     current = nll(levels)
     while (skipped := sum(shares[k] * levels[k] for k in levels)) < sparsity - 1e-9:
         gain = min(step, sparsity - skipped)          # weights skipped this round
@@ -156,6 +164,8 @@ def greedy_levels(model, samples, eval_ids: list[int], sparsity: float,
             break
         levels = best[1]
         current = nll(levels)
+        bar.update(1)
+    bar.close()
     return levels
 
 
