@@ -2,8 +2,9 @@
 family must say for that (offload/streamed_model.py streams the layers from disk; early exit,
 self-draft and exit-head training stop after some of them). Per family: how an embedding row
 becomes a layer input, which RoPE a layer takes, the layer on a block of rows with the
-attention left to the caller, the K/V a layer would cache for a given residual stream, the
-final norm and the logits.
+attention left to the caller, the final norm and the logits. (The K/V a layer caches for a
+given residual stream is one call for both: its input norm, then its attention's
+``rotated_qkv``; ``CachedLayers.stream_kv``.)
 
     Llama family (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE)   Gemma 3
       h = embedding row                                          h = row * sqrt(hidden)
@@ -46,12 +47,6 @@ class LlamaLayerwise:
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return layer.forward_attending(hidden, residual, rotary, cos, sin, attend)
 
-    def stream_kv(self, layer, stream: torch.Tensor, rotary, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K rotated, V) ``layer`` caches for rows whose residual stream is ``stream``."""
-        _, k, v = layer.self_attn.rotated_qkv(layer.input_layernorm(stream), rotary, cos, sin)
-        return k, v
-
     def final_norm(self, model, hidden: torch.Tensor, residual: torch.Tensor | None
                    ) -> torch.Tensor:
         return model.norm(hidden, residual)[0]
@@ -84,11 +79,6 @@ class Gemma3Layerwise:
                       cos: torch.Tensor, sin: torch.Tensor, attend: Attend
                       ) -> tuple[torch.Tensor, None]:
         return layer.forward_attending(hidden, rotary, cos, sin, attend), None
-
-    def stream_kv(self, layer, stream: torch.Tensor, rotary, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, k, v = layer.self_attn.rotated_qkv(layer.input_layernorm(stream), rotary, cos, sin)
-        return k, v
 
     def final_norm(self, model, hidden: torch.Tensor, residual: torch.Tensor | None
                    ) -> torch.Tensor:
@@ -161,7 +151,11 @@ class CachedLayers:
 
     def stream_kv(self, j: int, stream: torch.Tensor, rope: tuple
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.family.stream_kv(self.stack.layers[j], stream, *rope)
+        """(K rotated, V) layer j caches for rows whose residual stream is ``stream``: its
+        input norm, then its attention's own q|k|v path (Gemma 3: k normed per head)."""
+        layer = self.stack.layers[j]
+        _, k, v = layer.self_attn.rotated_qkv(layer.input_layernorm(stream), *rope)
+        return k, v
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.family.final_norm(self.stack, hidden, residual)
