@@ -19,6 +19,23 @@ def make_caches(dtype, layers=3, seed=0):
     return caches
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_host_pool_costs_no_resident_memory_until_blocks_are_written():
+    """The swap mirror is as large as the engine's pool; only the blocks a swap-out writes
+    may become resident (a zeroed pool made all of it resident at start)."""
+    shape = (2, 1024, 16, 8, 64)                           # 64 MiB a layer in fp32
+    before = _resident_bytes()
+    pool = HostKVPool([shape] * 4, torch.float32, num_blocks=1024)
+    assert _resident_bytes() - before < 32 << 20           # of 256 MiB
+    pool.caches[0][:, :256] = 1.0                          # a quarter of one layer written
+    assert _resident_bytes() - before >= 15 << 20
+
+
 def test_host_pool_allocates_exact_ids_and_checks_owners():
     pool = HostKVPool([SHAPE], torch.float32, num_blocks=4)
     assert pool.allocate("a", 3) == [0, 1, 2]
