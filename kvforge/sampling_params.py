@@ -32,6 +32,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
+    # sampling (and before greedy's argmax); -100 bans a token, +100 all but forces it
+    logit_bias: dict[int, float] | None = None
     # the output must match this JSON schema / regex / choice / grammar (kvforge/structured);
     # a dict of StructuredOutputParams' fields is accepted
     structured_output: StructuredOutputParams | None = None
@@ -50,6 +53,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0.0:
@@ -119,3 +123,22 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """``bias`` as {token id: float}, None when empty; ValueError naming a bad entry (the
+    vocabulary range is the engine's check: it knows the model)."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to values, got {type(bias).__name__}")
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -100.0 <= value <= 100.0):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} "
+                             f"for token {token}")
+        out[token] = float(value)
+    return out

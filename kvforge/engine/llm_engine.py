@@ -181,6 +181,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        biased = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if biased:
+            raise ValueError(f"logit_bias token id {biased[0]!r} is outside the vocabulary "
+                             f"[0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for "
                              f"one output token in the context of {self.max_model_len} tokens")

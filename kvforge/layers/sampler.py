@@ -69,6 +69,9 @@ class SamplingBatch:
     output_token_counts: torch.Tensor | None  # [B, V] float32: occurrences among outputs
     min_tokens_rows: torch.Tensor | None  # [M] int64 \ (row, token) pairs masked to -inf because
     min_tokens_token_ids: torch.Tensor | None  # [M] / the row has fewer than min_tokens outputs
+    # (row, token, value) triples of the rows' logit_bias, added to the logits; None: no row has
+    # one (static per request, so a reused batch stays right)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # per row; None = the global RNG
     num_logprobs: list[int | None]        # per row, the request's ``logprobs``
     # per row the request's GrammarMatcher (None: unconstrained); None when no row has one.
@@ -144,6 +147,15 @@ class SamplingBatch:
             min_rows, min_ids = _flat_pairs(blocked_rows, blocked_ids, device)
             _check_token_ids(min_ids, vocab_size, "EOS/stop")
 
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        logit_bias = None
+        if bias_rows:
+            rows, ids = _flat_pairs(bias_rows, [list(params[i].logit_bias) for i in bias_rows],
+                                    device)
+            _check_token_ids(ids, vocab_size, "logit_bias")
+            logit_bias = (rows, ids, f32([v for i in bias_rows
+                                          for v in params[i].logit_bias.values()]))
+
         # the per-row float knobs in one tensor (rows are views): one call instead of six
         knobs = f32([[1.0 if g else p.temperature for g, p in zip(greedy, params)],
                      [p.top_p for p in params], [p.min_p for p in params],
@@ -163,6 +175,7 @@ class SamplingBatch:
             output_token_counts=counts,
             min_tokens_rows=min_rows,
             min_tokens_token_ids=min_ids,
+            logit_bias=logit_bias,
             # greedy rows never draw, so a seeded greedy request leaves its generator untouched
             generators=[None if g else r.generator for g, r in zip(greedy, requests)],
             num_logprobs=[p.logprobs for p in params],
@@ -325,6 +338,9 @@ class Sampler:
         max_k = batch.max_num_logprobs
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_k is not None else None
 
+        if batch.logit_bias is not None:      # OpenAI: added before sampling, penalties after
+            rows, ids, values = batch.logit_bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if not batch.no_penalties or batch.min_tokens_rows is not None:
             logits = apply_penalties(logits, batch)
         if batch.grammar_matchers is not None:

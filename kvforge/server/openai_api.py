@@ -96,10 +96,13 @@ class OpenAIServing:
         if body.n > self.config.max_n:
             raise OpenAIError(400, f"n = {body.n} is more than this server allows "
                                    f"({self.config.max_n})", param="n", code="invalid_value")
+        if body.logit_bias:
+            self.check_token_ids(list(body.logit_bias), "logit_bias")
         try:
             return body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as e:
-            raise OpenAIError(400, str(e), code="invalid_value") from e
+            param = "logit_bias" if str(e).startswith("logit_bias") else None
+            raise OpenAIError(400, str(e), param=param, code="invalid_value") from e
 
     async def structured_output(self, body, forced: StructuredOutputParams | None = None,
                                 forced_by: str | None = None) -> StructuredOutputParams | None:

@@ -88,6 +88,8 @@ class _SamplingFields(_RequestBody):
     seed: int | None = Field(None, ge=-2**63, lt=2**63)     # what torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # token id (a JSON object's keys are strings of ids) -> bias in [-100, 100]
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -152,6 +154,7 @@ class _SamplingFields(_RequestBody):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
             structured_output=structured_output, diffusion_steps=self.diffusion_steps,
             diffusion_block_length=self.diffusion_block_length, remasking=self.remasking,
             parallel_threshold=self.parallel_threshold, diffusion_cache=self.diffusion_cache)

@@ -56,11 +56,12 @@ def is_eligible(request: Request) -> bool:
     """Requests whose sampling can be verified position by position with one distribution.
 
     Penalties and min_tokens depend on the outputs before each position, logprobs would need a
-    row per accepted token: such requests decode one token per step (no speculation). So do
+    row per accepted token, a logit bias changes the distribution verification and the compiled
+    multi-step argmax read: such requests decode one token per step (no speculation). So do
     constrained requests (structured output): each position's grammar mask depends on the tokens
     before it, so they sample one masked token per step (multi-step decoding uses this too).
     """
     p = request.sampling_params
     return (p.structured_output is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and p.logprobs is None
+            and p.presence_penalty == 0.0 and p.logprobs is None and p.logit_bias is None
             and request.num_output_tokens >= p.min_tokens)

@@ -280,3 +280,29 @@ def test_flags_skip_stages_only_when_safe():
     assert batch.no_top_k and not batch.no_top_p and batch.no_penalties
     assert not batch.all_greedy and not batch.all_random
     assert batch.temperature.tolist() == [1.0, 1.0]
+
+
+def test_logit_bias_moves_greedy_and_sampling_but_not_raw_logprobs():
+    """OpenAI's logit_bias is added to the logits before greedy's argmax and before sampling;
+    the logprobs a request asks for stay the model's raw ones."""
+    logits = torch.tensor([LOGITS8, LOGITS8])
+    reqs = [make_request(0, temperature=0.0, logit_bias={2: -100.0}, logprobs=1),  # bans 2
+            make_request(1, temperature=0.0, logit_bias={6: 100.0})]              # forces 6
+    out = sample(reqs, logits)
+    assert out.sampled_token_ids.tolist() == [4, 6]       # 2 is the plain argmax, 4 the next
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs_dict(0, 1) == pytest.approx({4: float(raw[4]), 2: float(raw[2])})
+    # a random row: a -100 bias leaves the token's probability ~e^-100 of what it was
+    g = [make_request(i, temperature=1.0, seed=i, logit_bias={2: -100.0, 4: -100.0})
+         for i in range(200)]
+    drawn = sample(g, torch.tensor([LOGITS8] * 200)).sampled_token_ids.tolist()
+    assert 2 not in drawn and 4 not in drawn and len(set(drawn)) > 2
+
+
+@pytest.mark.parametrize("bias, message", [({-1: 1.0}, "keys must be token ids"),
+                                           ({3: 100.5}, r"values must be numbers in \[-100, 100\]"),
+                                           ({True: 1.0}, "keys must be token ids"),
+                                           ([1, 2], "must map token ids")])
+def test_bad_logit_bias_is_refused(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

@@ -29,6 +29,24 @@ def test_completion_greedy_equals_offline(client, offline):
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
 
 
+def test_logit_bias_as_the_offline_engine_applies_it(client, offline, server):
+    """OpenAI's logit_bias (string keys of token ids): the completion is the offline engine's
+    under the same bias; a key outside the vocabulary or a value outside [-100, 100] is a 400
+    naming logit_bias, and the engine is left clean."""
+    import openai
+    bias = {777: 100.0, 778: -100.0}
+    want = offline.generate([PROMPT], greedy(6, logit_bias=bias), use_tqdm=False)[0].outputs[0]
+    assert want.token_ids == [777] * 6
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    logit_bias={str(k): v for k, v in bias.items()})
+    assert got.choices[0].text == want.text
+    for bad in ({"99999999": 1}, {"5": 101}, {"five": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logit_bias=bad)
+        assert e.value.body["param"].startswith("logit_bias"), e.value.body
+    server.assert_clean()
+
+
 def test_completion_prompt_forms_and_n(client, offline):
     ids = offline.tokenizer.encode("Hello there")
     want = [o.outputs[0].text for o in
