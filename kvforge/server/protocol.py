@@ -172,6 +172,20 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # OpenAI fields this server does not implement: refused when they would change the result
+    # rather than ignored (a client would get something other than what it asked for)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of = {self.best_of} (more candidates than the n = {self.n} "
+                             f"returned) is not supported; leave it unset or equal to n")
+        if self.suffix:
+            raise ValueError("suffix (text after the completion: fill-in-the-middle) is not "
+                             "supported")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -159,3 +159,16 @@ def test_every_bad_request_is_fast_and_leaves_no_trace(http, server):
               if line.startswith(("kvforge:num_requests_running", "kvforge:kv_cache_usage_perc"))}
     assert gauges == {"kvforge:num_requests_running": 0.0, "kvforge:kv_cache_usage_perc": 0.0}
     json.loads(http.get("/v1/models").text)          # still serving
+
+
+@pytest.mark.parametrize("extra, message", [({"best_of": 3}, "best_of = 3"),
+                                            ({"suffix": "tail"}, "suffix")])
+def test_openai_fields_that_would_change_the_result_are_refused(client, server, extra, message):
+    """best_of > n and suffix are OpenAI fields this server does not implement: a 400 naming
+    them, not a completion that quietly is something else; best_of = n is accepted."""
+    import openai
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body=extra)
+    ok = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, best_of=2)
+    assert len(ok.choices) == 2
+    server.assert_clean()
