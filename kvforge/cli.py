@@ -217,6 +217,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kvforge.config import EngineConfig
     from kvforge.engine.factory import create_engine
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    if getattr(engine.tokenizer, "chat_template", None) is None:     # before the first prompt
+        raise ValueError(f"kvforge chat needs a chat model; {args.model} has no chat template "
+                         f"(a base model?): use `kvforge generate --no-chat-template PROMPT`")
     params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:

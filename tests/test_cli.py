@@ -97,3 +97,7 @@ def test_generate_wraps_in_the_chat_template_only_when_the_model_has_one(tiny_mo
     assert capsys.readouterr().out.rstrip("\n") == expected
     assert main(["generate", "Hi", "--model", str(base), "--chat-template", *flags]) == 2
     assert "--no-chat-template" in capsys.readouterr().err
+    # chat refuses a base model at start, before waiting for a first prompt
+    assert main(["chat", "--model", str(base), "--num-kv-blocks", "64"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "kvforge chat needs a chat model" in err
