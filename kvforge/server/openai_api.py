@@ -258,6 +258,7 @@ class OpenAIServing:
         job = _Job(self, "chatcmpl", body, params, [ids], [""])
         job.tool_mode = body.tool_mode
         job.tool_names = {t.function.name for t in body.tools or []}
+        job.max_tool_calls = None if body.parallel_tool_calls else 1
         return await job.respond(job.stream_chat, job.full_chat)
 
 
@@ -304,6 +305,7 @@ class _Job:
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
         self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
         self.tool_names: set[str] = set()
+        self.max_tool_calls: int | None = None      # 1: parallel_tool_calls false
 
     async def respond(self, stream_events, full_response):
         """Start the engine requests; the SSE response or the whole one (as JSON). Whatever
@@ -429,6 +431,7 @@ class _Job:
             calls = parse_forced_call(text)
             content = None if calls else text
         message = {"role": "assistant", "content": content}
+        calls = calls[:self.max_tool_calls]
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
             if finish_reason == "stop":
@@ -458,6 +461,7 @@ class _Job:
                     delta = ts.feed(delta)
                     if co.finished:
                         tail, calls = ts.finish()
+                        calls = calls[:self.max_tool_calls]
                         delta += tail
                         if calls and finish_reason == "stop":
                             finish_reason = "tool_calls"

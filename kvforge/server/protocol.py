@@ -314,6 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True          # false: at most one call (the first) per choice
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self):

@@ -162,6 +162,23 @@ def test_auto_tool_calls_are_parsed_from_tagged_text(client):
     assert chat.choices[0].finish_reason == "stop"
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    """A reply with two tagged calls gives both; with parallel_tool_calls false, the same reply
+    (same seed) gives only the first, streamed or not."""
+    second = '" <tool_call>" call "</tool_call>"'
+    two = TAGGED_CALL.replace('"</tool_call>"', '"</tool_call>" ' + second, 1)
+    common = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0.7, seed=9,
+                  max_tokens=160, extra_body={"guided_grammar": two})
+    both = client.chat.completions.create(**common).choices[0].message.tool_calls
+    assert len(both) == 2
+    one = client.chat.completions.create(parallel_tool_calls=False, **common).choices[0]
+    assert [(c.function.name, c.function.arguments) for c in one.message.tool_calls] == \
+        [(both[0].function.name, both[0].function.arguments)]
+    assert one.finish_reason == "tool_calls"
+    _, calls, _ = _stream(client, parallel_tool_calls=False, **common)
+    assert calls[0] == [(both[0].function.name, both[0].function.arguments)]
+
+
 def test_tool_history_renders_and_bad_tool_choice_is_a_400(client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{
