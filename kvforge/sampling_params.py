@@ -35,6 +35,11 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
     # sampling (and before greedy's argmax); -100 bans a token, +100 all but forces it
     logit_bias: dict[int, float] | None = None
+    # OpenAI's Predicted Outputs: text (or token ids) the output is expected to repeat, e.g. the
+    # file an edit rewrites. A hint only: the output is unchanged; an engine that speculates
+    # with n-gram lookup also looks it up there (spec/ngram.py), so matching spans verify in
+    # one step
+    prediction: str | list[int] | None = None
     # the output must match this JSON schema / regex / choice / grammar (kvforge/structured);
     # a dict of StructuredOutputParams' fields is accepted
     structured_output: StructuredOutputParams | None = None
@@ -54,6 +59,12 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            if isinstance(self.prediction, (bytes, dict)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in self.prediction):
+                raise ValueError(f"prediction must be text or a list of token ids, got "
+                                 f"{type(self.prediction).__name__}")
+            self.prediction = list(self.prediction)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0.0:

@@ -125,7 +125,8 @@ class DiffusionEngine:
             raise ValueError("prompt must not be empty")
         if params.n != 1:
             raise ValueError(f"diffusion models generate one output per request, got n={params.n}")
-        for name in ("logprobs", "prompt_logprobs", "structured_output", "logit_bias"):
+        for name in ("logprobs", "prompt_logprobs", "structured_output", "logit_bias",
+                     "prediction"):
             if getattr(params, name) is not None:
                 raise ValueError(f"{name} is not supported by diffusion models")
         vocab = self.model.config.vocab_size

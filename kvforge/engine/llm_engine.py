@@ -150,6 +150,7 @@ class LLMEngine:
             prompt_text = None
             token_ids = list(prompt)
         self._validate_prompt(token_ids, params)
+        prediction = self._prediction_ids(params)
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.max_model_len - len(token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -164,6 +165,7 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, parent_id=None if i == 0 else request_id,
                           sample_index=i)
             req.grammar_matcher = matchers[i]
+            req.prediction_token_ids = prediction
             seqs.append(_SeqState(req, IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens),
                 StopChecker(params, self.eos_token_ids, self.max_len_per_request)))
@@ -173,6 +175,19 @@ class LLMEngine:
         for s in seqs:
             self._seq_states[s.request.request_id] = s
         return request_id
+
+    def _prediction_ids(self, params: SamplingParams) -> list[int]:
+        """The predicted output as token ids (text tokenized without special tokens)."""
+        if params.prediction is None:
+            return []
+        if isinstance(params.prediction, str):
+            return self.tokenizer.encode(params.prediction, add_special_tokens=False)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.prediction if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prediction token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {vocab})")
+        return list(params.prediction)
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

@@ -54,6 +54,9 @@ class Request:
         self.output_token_ids: list[int] = []
         # prompt + output kept as one list so slicing the next chunk is O(chunk)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Predicted Outputs (SamplingParams.prediction), tokenized by the engine: n-gram lookup
+        # searches them too (lookup_token_ids)
+        self.prediction_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         # n > 1: ids of the sibling requests that fork from this one once its prompt is computed
@@ -84,6 +87,20 @@ class Request:
         self.grammar_matcher = None
 
     # derived counts: never stored twice
+    @property
+    def lookup_token_ids(self) -> list[int]:
+        """What n-gram lookup searches: prompt + output, with the predicted output between
+        them when the request has one. The suffix to match is still the output's end, and a
+        match in the prediction is later than any in the prompt, so the latest occurrence (what
+        the proposer takes) is the prediction's continuation where both match:
+
+            [ prompt ........ ][ prediction ........ ][ output .. ]
+                                     ^ match  -> guess     ^ suffix
+        """
+        if not self.prediction_token_ids:
+            return self.all_token_ids
+        return self.prompt_token_ids + self.prediction_token_ids + self.output_token_ids
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

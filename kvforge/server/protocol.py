@@ -73,6 +73,23 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["content"]
+    content: str | list["PredictionPart"]
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(part.text for part in c)
+
+
+class PredictionPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class _SamplingFields(_RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -90,6 +107,7 @@ class _SamplingFields(_RequestBody):
     stop_token_ids: list[int] | None = None
     # token id (a JSON object's keys are strings of ids) -> bias in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    prediction: Prediction | None = None      # a hint for n-gram speculation, output unchanged
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -155,6 +173,7 @@ class _SamplingFields(_RequestBody):
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
+            prediction=None if self.prediction is None else self.prediction.text(),
             structured_output=structured_output, diffusion_steps=self.diffusion_steps,
             diffusion_block_length=self.diffusion_block_length, remasking=self.remasking,
             parallel_threshold=self.parallel_threshold, diffusion_cache=self.diffusion_cache)

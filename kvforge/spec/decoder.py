@@ -189,7 +189,7 @@ class SpecDecoder:
             k = min(hist.k, per_request, self._max_proposal(req))
             if k <= 0:
                 continue
-            guess, matched = (self.token_proposer.propose_matched(req.all_token_ids, k)
+            guess, matched = (self.token_proposer.propose_matched(req.lookup_token_ids, k)
                               if self.token_proposer is not None else ([], 0))
             if self.cost is None:
                 if guess or not self.model_drafts:

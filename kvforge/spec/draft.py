@@ -206,7 +206,7 @@ class ModelDraftProposer(DraftProposer):
         drawn from the draft's q). At most k - 1: the draft's own guess follows it."""
         if self.ngram is None or not req.sampling_params.greedy or k < 2:
             return []
-        return self.ngram.propose(req.all_token_ids, k - 1)
+        return self.ngram.propose(req.lookup_token_ids, k - 1)
 
     def _stop(self, conf: list[float] | None, row: int, num_drafts: int, k: int) -> bool:
         if num_drafts >= k:

@@ -47,6 +47,24 @@ def test_logit_bias_as_the_offline_engine_applies_it(client, offline, server):
     server.assert_clean()
 
 
+def test_prediction_is_accepted_and_changes_nothing(client, server):
+    """Predicted Outputs through the OpenAI client (text and text parts): the same completion
+    and chat reply as without (this server does not speculate: the hint is unused)."""
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    text = plain.choices[0].text
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"prediction": {"type": "content",
+                                                               "content": text}})
+    assert got.choices[0].text == text
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(**chat).choices[0].message.content
+    parts = [{"type": "text", "text": reply[:3]}, {"type": "text", "text": reply[3:]}]
+    again = client.chat.completions.create(prediction={"type": "content", "content": parts},
+                                           **chat)
+    assert again.choices[0].message.content == reply
+    server.assert_clean()
+
+
 def test_completion_prompt_forms_and_n(client, offline):
     ids = offline.tokenizer.encode("Hello there")
     want = [o.outputs[0].text for o in
