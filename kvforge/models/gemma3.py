@@ -274,11 +274,13 @@ class Gemma3ForCausalLM(CompiledDecodeMixin, PagedKVModelMixin, nn.Module):
         return model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        return self.cap_logits(self.lm_head(hidden).float())
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The config's soft-cap, cap * tanh(logits / cap), or the logits as they are (also
+        what the offloaded head and a draft's frequent-token head apply to their products)."""
         cap = self.options.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def first_attention_backend(self):
         return self.model.layers[0].self_attn.attn

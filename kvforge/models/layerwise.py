@@ -88,8 +88,7 @@ class Gemma3Layerwise:
         return 1.0 + model.norm.weight.detach().float()     # stored zero-centred, as HF's
 
     def logits(self, skeleton, logits: torch.Tensor) -> torch.Tensor:
-        cap = skeleton.options.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return skeleton.cap_logits(logits)
 
 
 def layerwise_family(model_class: type, what: str = "offloading"):

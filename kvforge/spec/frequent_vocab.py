@@ -127,8 +127,7 @@ class FrequentVocabHead:
             raise ValueError(f"a frequent-token draft head needs float or GGUF head weights, "
                              f"got {type(method).__name__}")
         self.bias = None if head.bias is None else head.bias[self.token_ids].contiguous()
-        options = getattr(model, "options", None)
-        self.softcap = getattr(options, "final_logit_softcapping", None)
+        self.cap_logits = getattr(model, "cap_logits", None)     # Gemma 3's soft-cap
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
@@ -137,8 +136,8 @@ class FrequentVocabHead:
         else:
             sub = blocks_multiply(self.weight, x, self.bias)
         sub = sub.float()
-        if self.softcap is not None:
-            sub = torch.tanh(sub / self.softcap) * self.softcap
+        if self.cap_logits is not None:
+            sub = self.cap_logits(sub)
         logits = torch.full((x.shape[0], self.vocab_size), float("-inf"), device=x.device)
         logits[:, self.token_ids] = sub
         return logits

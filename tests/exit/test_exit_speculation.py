@@ -64,6 +64,10 @@ def test_drafts_from_the_targets_layers_borrow_a_frequent_token_head(tiny_path, 
     draft = engine.runner.drafter.model
     kept = set(draft.compute_logits.token_ids.tolist())
     assert 2000 <= len(kept) < 2010                   # N + the special tokens
-    logits = draft.compute_logits(torch.randn(2, engine.runner.model.config.hidden_size))
+    hidden = torch.randn(2, engine.runner.model.config.hidden_size)
+    logits = draft.compute_logits(hidden)
     assert set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == kept
+    # the kept tokens' logits are the target's own (Gemma 3's soft-cap included)
+    ids = sorted(kept)
+    torch.testing.assert_close(logits[:, ids], engine.runner.model.compute_logits(hidden)[:, ids])
     assert engine.spec_stats.num_proposed > 0
