@@ -182,24 +182,20 @@ class LLMEngine:
             return []
         if isinstance(params.prediction, str):
             return self.tokenizer.encode(params.prediction, add_special_tokens=False)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.prediction if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prediction token id {bad[0]!r} is outside the vocabulary "
-                             f"[0, {vocab})")
+        self._check_in_vocabulary(params.prediction, "prediction")
         return list(params.prediction)
+
+    def _check_in_vocabulary(self, token_ids, what: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        biased = [t for t in (params.logit_bias or ()) if t >= vocab]
-        if biased:
-            raise ValueError(f"logit_bias token id {biased[0]!r} is outside the vocabulary "
-                             f"[0, {vocab})")
+        self._check_in_vocabulary(token_ids, "prompt")
+        self._check_in_vocabulary(params.logit_bias or (), "logit_bias")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for "
                              f"one output token in the context of {self.max_model_len} tokens")
