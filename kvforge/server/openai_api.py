@@ -101,8 +101,7 @@ class OpenAIServing:
         try:
             return body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as e:
-            param = "logit_bias" if str(e).startswith("logit_bias") else None
-            raise OpenAIError(400, str(e), param=param, code="invalid_value") from e
+            raise OpenAIError(400, str(e), code="invalid_value") from e
 
     async def structured_output(self, body, forced: StructuredOutputParams | None = None,
                                 forced_by: str | None = None) -> StructuredOutputParams | None:

@@ -6,7 +6,7 @@ range fail validation and become a 400 with the OpenAI error body (see errors.py
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -105,8 +105,9 @@ class _SamplingFields(_RequestBody):
     seed: int | None = Field(None, ge=-2**63, lt=2**63)     # what torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    # token id (a JSON object's keys are strings of ids) -> bias in [-100, 100]
-    logit_bias: dict[int, float] | None = None
+    # token id (a JSON object's keys are strings of ids) -> bias in [-100, 100]; ids are checked
+    # against the vocabulary by the handler (OpenAIServing.check_token_ids)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     prediction: Prediction | None = None      # a hint for n-gram speculation, output unchanged
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
