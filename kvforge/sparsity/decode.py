@@ -113,17 +113,16 @@ def enable_sparse_decode(model, thresholds: SparsityThresholds) -> int:
     """Give ``model``'s compiled decode stack its sparse projections; returns how many
     projections run sparse (0: no stack, or no projection our sparse kernels read)."""
     from kvforge.kernels import cpu_kernels
+    reason = why_dense(model, thresholds.mode)
+    if reason is not None:
+        logger.warning("%s; decoding dense", reason)
+        return 0
     ops = cpu_kernels()
-    stack = model.decode_stack() if hasattr(model, "decode_stack") else None
-    if ops is None or stack is None:
-        logger.warning("activation sparsity needs the compiled decode stack; decoding dense")
-        return 0
     layers, covered = sparse_layers(model, thresholds, ops)
-    if covered == 0:
-        logger.warning("no projection of this model has weights the sparse kernels read "
-                       "(fp32, int8); decoding dense")
+    if covered == 0:                    # CATS over biased MLPs: none of its twins apply
+        logger.warning("no projection of this model runs sparse; decoding dense")
         return 0
-    stack.set_sparsity(layers, ops.sparse_rows_max)
+    model.decode_stack().set_sparsity(layers, ops.sparse_rows_max)
     return covered
 
 
