@@ -53,11 +53,13 @@ class ExitResult:
     exit_logits: torch.Tensor | None     # [n, V] their logits (the confidence check made them)
 
 
-def early_exit_forward(model, heads: ExitHeads, threshold: float, input_ids: torch.Tensor,
-                       positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,
-                       eligible: torch.Tensor | None = None,
+def early_exit_forward(layers: CachedLayers, heads: ExitHeads, threshold: float,
+                       input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], meta, eligible: torch.Tensor | None = None,
                        stats: ExitStats | None = None) -> ExitResult:
-    layers = CachedLayers(model, "early exit")
+    """One forward of ``layers.model`` in which eligible rows may leave at a head (module
+    doc)."""
+    model = layers.model
     hidden = layers.embed(input_ids)
     rope = layers.rope(positions, hidden.dtype)
     num_rows = hidden.shape[0]

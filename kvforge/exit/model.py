@@ -26,8 +26,8 @@ class EarlyExitLM:
                  exit_all_rows: bool = False) -> None:
         """``exit_all_rows``: every row may exit (teacher-forced evaluation); otherwise only the
         last row of each sequence whose query is one token (a decode)."""
-        from kvforge.models.layerwise import layerwise_family
-        layerwise_family(type(model), "early exit")
+        from kvforge.models.layerwise import CachedLayers
+        self._layers = CachedLayers(model, "early exit")     # refuses other families first
         if heads.num_layers != model.num_layers:
             raise ValueError(f"exit heads for {heads.num_layers} layers, model has "
                              f"{model.num_layers}")
@@ -44,7 +44,7 @@ class EarlyExitLM:
 
     def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         eligible = None if self.exit_all_rows else decode_rows(meta, input_ids.shape[0])
-        result = early_exit_forward(self.model_impl, self.heads, self.threshold, input_ids,
+        result = early_exit_forward(self._layers, self.heads, self.threshold, input_ids,
                                     positions, kv_caches, meta, eligible, self.stats)
         self._last = (result.hidden, result.exited_rows, result.exit_logits)
         return result.hidden
