@@ -10,9 +10,9 @@ import time
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.weight_store import WeightStore, release_layer
 
 BLOCK_POINTS = (1, 2, 4, 8, 16, 32)     # batches per block timed (the cost model interpolates)

@@ -17,11 +17,11 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.loader.source import ModelSource
+from kvforge.models.layerwise import layerwise_family
 from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
 from kvforge.offload.cost_model import ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.kv_disk import DiskKVLayer
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.layer_timing import time_layer_blocks

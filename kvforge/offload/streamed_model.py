@@ -26,9 +26,9 @@ from torch import nn
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
+from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
 from kvforge.offload.direct_io import AlignedBuffer
-from kvforge.models.layerwise import layerwise_family
 from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
 from kvforge.offload.kv_slots import DiskSlotMap
 from kvforge.offload.loader import Stage, StageLoader
