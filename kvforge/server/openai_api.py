@@ -299,7 +299,11 @@ class _Job:
         self.num_prompt_tokens = sum(len(p) for p in prompt_ids)
         self.request_ids: list[str] = []                # engine requests, one per prompt
         self.finished = [False] * len(prompt_ids)
-        self.completion_tokens: dict[int, int] = {}     # choice index -> tokens so far
+        self.completion_ids: dict[int, list[int]] = {}  # choice index -> token ids so far
+        # the predicted output's tokens, as the engine reads them (usage counts them)
+        self.prediction_ids = (serving.tokenizer.encode(params.prediction,
+                                                        add_special_tokens=False)
+                               if params.prediction else [])
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
         self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
@@ -334,12 +338,13 @@ class _Job:
 
     def _count_tokens(self, idx: int, co) -> bool:
         """Record choice ``idx``'s tokens so far (for usage); whether it got new ones."""
-        grew = len(co.token_ids) > self.completion_tokens.get(idx, 0)
-        self.completion_tokens[idx] = len(co.token_ids)
+        grew = len(co.token_ids) > len(self.completion_ids.get(idx, ()))
+        self.completion_ids[idx] = co.token_ids
         return grew
 
     def _usage(self) -> dict:
-        return responses.usage(self.num_prompt_tokens, sum(self.completion_tokens.values()))
+        return responses.usage(self.num_prompt_tokens, list(self.completion_ids.values()),
+                               self.prediction_ids)
 
     def _new_logprobs(self, idx: int, co, chat: bool):
         if self.params.logprobs is None or co.logprobs is None:
@@ -365,7 +370,7 @@ class _Job:
         for i in range(len(self.prompt_ids)):
             for co in finals[i].outputs:
                 idx = i * self.n + co.index
-                self.completion_tokens[idx] = len(co.token_ids)
+                self.completion_ids[idx] = co.token_ids
                 self.text_len[idx] = len(self.echo_texts[i])
                 choices.append({"index": idx, "text": self.echo_texts[i] + co.text,
                                 "logprobs": self._new_logprobs(idx, co, chat=False),
@@ -411,7 +416,7 @@ class _Job:
                 final = out
         choices = []
         for co in final.outputs:
-            self.completion_tokens[co.index] = len(co.token_ids)
+            self.completion_ids[co.index] = co.token_ids
             message, finish_reason = self._message(co.text, co.finish_reason)
             choices.append({"index": co.index, "message": message,
                             "logprobs": self._new_logprobs(co.index, co, chat=True),

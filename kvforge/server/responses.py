@@ -1,6 +1,7 @@
 """Response pieces in the OpenAI shapes: logprobs (completions and chat formats), usage."""
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 TokenText = Callable[[int], str]
@@ -42,6 +43,23 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completions: list[list[int]], prediction: list[int]) -> dict:
+    """Token counts of a response whose choices generated ``completions``; with a predicted
+    output (Predicted Outputs), how many of its tokens each choice reproduced, in order
+    (accepted), and how many it did not (rejected), summed over the choices. A prediction
+    only steers speculation here, so rejected tokens are not billed as completion tokens."""
+    completion_tokens = sum(len(c) for c in completions)
+    accepted = sum(_common_in_order(prediction, c) for c in completions) if prediction else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": len(prediction) * len(completions) - accepted}}
+
+
+def _common_in_order(a: list[int], b: list[int]) -> int:
+    """Tokens of ``a`` found in ``b`` in the same order: the matching blocks of difflib's
+    longest-match alignment (a common subsequence, near the longest one, in about linear
+    time on texts that mostly agree, where an exact LCS would cost len(a) * len(b))."""
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())

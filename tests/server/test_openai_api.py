@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kvforge import SamplingParams
+from kvforge.server import responses
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -47,7 +48,7 @@ def test_logit_bias_as_the_offline_engine_applies_it(client, offline, server):
     server.assert_clean()
 
 
-def test_prediction_is_accepted_and_changes_nothing(client, server):
+def test_prediction_is_accepted_and_changes_nothing(client, server, offline):
     """Predicted Outputs through the OpenAI client (text and text parts): the same completion
     and chat reply as without (this server does not speculate: the hint is unused)."""
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
@@ -62,7 +63,32 @@ def test_prediction_is_accepted_and_changes_nothing(client, server):
     again = client.chat.completions.create(prediction={"type": "content", "content": parts},
                                            **chat)
     assert again.choices[0].message.content == reply
+    # usage says how much of the prediction the reply reproduced: all of it here, none without
+    pred_tokens = len(offline.tokenizer.encode(reply, add_special_tokens=False))
+    details = again.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+        pred_tokens, 0)
+    details = client.chat.completions.create(**chat).usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
+    # a prediction with a word the reply lacks: those tokens are rejected, the rest accepted
+    wrong = " zebra" + text
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"prediction": {"type": "content",
+                                                               "content": wrong}})
+    details = got.usage.completion_tokens_details
+    wrong_tokens = len(offline.tokenizer.encode(wrong, add_special_tokens=False))
+    assert details.rejected_prediction_tokens >= 1
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == wrong_tokens
     server.assert_clean()
+
+
+def test_prediction_usage_counts_tokens_in_order():
+    """Accepted: the prediction's tokens the completion has in the same order; per choice."""
+    got = responses.usage(3, [[1, 2, 9, 4, 5, 6], [5, 4]], [1, 2, 3, 4, 5])
+    assert got["completion_tokens"] == 8 and got["total_tokens"] == 11
+    # choice 0 keeps 1 2 4 5 (3 missing); choice 1 keeps one of 5, 4 (the order is reversed)
+    assert got["completion_tokens_details"] == {"accepted_prediction_tokens": 5,
+                                                "rejected_prediction_tokens": 5}
 
 
 def test_completion_prompt_forms_and_n(client, offline):
