@@ -139,6 +139,9 @@ def _run_worker(python: str, spec: dict) -> dict:
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(spec["threads"]))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root if spec["engine"] == "kvforge" else ""
+    # bytecode cached as in a user's install (a shell that turns the cache off would time the
+    # compiling of kvforge's modules in every load)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.run([python, os.path.abspath(__file__), "--worker", json.dumps(spec)],
                           capture_output=True, text=True, env=env, cwd=root)
     for line in proc.stdout.splitlines():

@@ -69,6 +69,7 @@ def worker(model: str, checkout: str | None) -> None:
 
 def run_worker(model: str, checkout: str | None, cache: str | None) -> dict:
     env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)    # bytecode cached, as in a user's install
     if cache:
         env["KVFORGE_CACHE_DIR"] = cache
     args = [sys.executable, os.path.abspath(__file__), "--worker", model]

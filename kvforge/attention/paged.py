@@ -18,6 +18,9 @@ A step first scatters the new tokens' K/V into their slots, then attends:
 - prefill chunks, one sequence at a time, through ``scaled_dot_product_attention``: a chunk with
   no cached context uses its own K/V and ``is_causal``; a later chunk gathers its whole
   context from the cache and uses a causal mask shifted by the context length.
+- prompt rows (``layers/prompt_rows.py``: the forward of the sequences prefilling their
+  prompt) in fixed tiles of positions instead (``attention/prompt_tiles.py``), so each row
+  rounds alike however the prompt was split.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import torch.nn.functional as F
 
 from kvforge.attention.base import AttentionBackend, register_backend
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.prompt_tiles import prompt_attention
 from kvforge.kernels import ops as kernel_ops
+from kvforge.layers.prompt_rows import computing_prompt_rows
 
 # ``enable_gqa`` arrived in torch 2.5; the CPU flash kernel handles it without repeating K/V.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -145,8 +150,11 @@ class PagedAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         self._check_inputs(q, k, v, kv_cache, meta)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        plan = self._plan(meta, kv_cache, q.dtype)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
+        if computing_prompt_rows():
+            prompt_attention(self, q, kv_cache, meta, None, out)
+            return out
+        plan = self._plan(meta, kv_cache, q.dtype)
         if plan.decode_slices:
             self._decode(q, kv_cache, plan.decode_slices, out)
         if plan.prefill_chunks:
@@ -166,6 +174,14 @@ class PagedAttentionBackend(AttentionBackend):
         if key not in plans:
             plans[key] = _build_plan(meta, self.decode_gather_bytes, bytes_per_token, dtype)
         return plans[key]
+
+    def _gather_kv(self, kv_cache: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots [N]``: ``[N, KVH, D]`` each (fresh tensors)."""
+        kvh = self.num_kv_heads
+        keys = kv_cache[0].view(-1, kvh, self.head_size).index_select(0, slots)
+        values = kv_cache[1].view(-1, kvh, self.head_size_v).index_select(0, slots)
+        return keys, values
 
     # ------------------------------------------------------------------ decode
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, slices: list[_DecodeSlice],

@@ -40,7 +40,9 @@ from kvforge.attention.base import get_backend_cls, register_backend
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.paged import _SDPA_HAS_GQA, PagedAttentionBackend, write_kv_cache
 from kvforge.attention.window import AttentionWindow
+from kvforge.attention.prompt_tiles import prompt_attention
 from kvforge.kernels import ops as kernel_ops
+from kvforge.layers.prompt_rows import computing_prompt_rows
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -197,6 +199,11 @@ class WindowedAttentionBackend(PagedAttentionBackend):
                              "configure_attention_window")
         self._store(q, k, v, kv_cache, meta)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_size_v)
+        if computing_prompt_rows() and not window.sinks:
+            # a plain sliding window (Gemma 3's local layers): fixed tiles, as paged's prompt
+            # rows (sinks, whose scores may shift per query, keep the groups below)
+            prompt_attention(self, q, kv_cache, meta, window.window, out)
+            return out
         # decodes under a plain sliding window (no sinks: Gemma 3's local layers): the compiled
         # kernel reads each row's last `window` keys in place, no gather, no mask
         kernel_decodes = meta.num_decodes > 0 and window.sinks == 0 and self._window_decodes(
@@ -217,14 +224,6 @@ class WindowedAttentionBackend(PagedAttentionBackend):
         """Check the shapes and write the step's K/V (``windowed_quest``: QUEST's layout)."""
         self._check_inputs(q, k, v, kv_cache, meta)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-
-    def _gather_kv(self, kv_cache: torch.Tensor,
-                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots [N]``: ``[N, KVH, D]`` each (fresh tensors)."""
-        kvh = self.num_kv_heads
-        keys = kv_cache[0].view(-1, kvh, self.head_size).index_select(0, slots)
-        values = kv_cache[1].view(-1, kvh, self.head_size_v).index_select(0, slots)
-        return keys, values
 
     def _window_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         window: int, out: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ from kvforge.distributed.tp_plan import check_tensor_parallel_model
 from kvforge.distributed.tp_worker import WorkerSpec, error_key, joined_key
 from kvforge.engine.threads import threads_per_rank
 from kvforge.engine.model_runner import ModelRunner
+from kvforge.layers.prompt_rows import computing_prompt_rows
 from kvforge.loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class _DriverModel:
         self._model, self._group = model, group
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        self._group.send(("forward", input_ids, positions, meta))
+        self._group.send(("forward", input_ids, positions, meta, computing_prompt_rows()))
         return self._group.guard(self._model, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ broadcasts only the step's inputs, and every worker runs the same forward on its
 
     ("init_cache", num_blocks, block_size)    allocate this slice's paged KV cache
     ("copy_blocks", [(src, dst), ...])        copy-on-write blocks, before the forward
-    ("forward", input_ids, positions, meta)   the step's forward (collectives inside)
+    ("forward", input_ids, positions, meta, as_prompt_rows)
+                                              the step's forward (collectives inside), as
+                                              prompt rows or not (layers/prompt_rows.py)
     ("logits", shape)                         then a tensor broadcast of the hidden rows to
                                               project: the LM head's all-gather
     ("shutdown",)
@@ -24,6 +26,7 @@ from kvforge.config import EngineConfig
 from kvforge.distributed.comm import CommGroup, connect_store
 from kvforge.distributed.shm_allreduce import ShmAllReduce
 from kvforge.kernels.huge_pages import kv_pool_zeros
+from kvforge.layers.prompt_rows import prompt_rows
 
 
 @dataclass
@@ -91,9 +94,10 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
         cmd = comm.broadcast_object()
         kind = cmd[0]
         if kind == "forward":
-            _, ids, positions, meta = cmd
-            hidden = model(ids.to(comm.device), positions.to(comm.device), kv_caches,
-                           _on_device(meta, comm.device))
+            _, ids, positions, meta, as_prompt = cmd
+            with prompt_rows(as_prompt):
+                hidden = model(ids.to(comm.device), positions.to(comm.device), kv_caches,
+                               _on_device(meta, comm.device))
         elif kind == "logits":
             rows = comm.broadcast(torch.empty(cmd[1], dtype=hidden.dtype, device=comm.device))
             model.compute_logits(rows)

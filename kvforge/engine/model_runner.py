@@ -18,8 +18,10 @@ from kvforge.engine.request import Request
 from kvforge.kernels.decode_stack import stack_query_limit
 from kvforge.kernels.huge_pages import kv_pool_zeros
 from kvforge.kernels.ops import KERNEL_KV_DTYPES
+from kvforge.layers.prompt_rows import prompt_rows
 from kvforge.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from kvforge.loader.source import ModelSource
+from kvforge.quant.gguf import integer_rows_max
 from kvforge.quant.loading import load_model
 from kvforge.sched.output import SchedulerOutput
 from kvforge.spec.rejection import verify_proposals
@@ -42,6 +44,7 @@ class ModelRunner:
     drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
     _last_sampling: tuple[list[Request], SamplingBatch] | None = None
     _stack_limit: object = _UNSET       # _stack_query_limit, resolved on first use
+    _many_rows: object = _UNSET         # _many_row_kernels, resolved on first use
     # time the fp32 projections' kernel plans on first use (kernels/tune.py); False: cached
     # plans only
     times_kernels_at_start = True
@@ -164,7 +167,7 @@ class ModelRunner:
                        if self.drafter is not None else {})
 
         input_ids: list[int] = []
-        query_lens, context_lens, block_tables = [], [], []
+        query_lens, context_lens, block_tables, prompt_seqs = [], [], [], []
         for req in sched.scheduled:
             n = sched.num_query_tokens(req.request_id)     # lookahead slots stay unused here
             start = req.num_computed_tokens
@@ -174,7 +177,8 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             block_tables.append(sched.block_ids[req.request_id])
-        hidden = self._forward(input_ids, query_lens, context_lens, block_tables)
+            prompt_seqs.append(start < req.num_prompt_tokens)
+        hidden = self._forward(input_ids, query_lens, context_lens, block_tables, prompt_seqs)
 
         # Rows whose last position produces the next token: the request caught up with its
         # tokens this step. Forked children (n > 1) sample from their parent's row.
@@ -228,46 +232,69 @@ class ModelRunner:
         return out
 
     def _forward(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]]) -> torch.Tensor:
-        """[T, hidden] for the step's tokens. A step that mixes sequences the compiled decode
-        stack takes (decodes, short query runs) with longer prefill chunks runs as two forwards,
-        one per path, each over its own sequences (``_path_groups``)."""
+                 block_tables: list[list[int]], prompt_seqs: list[bool]) -> torch.Tensor:
+        """[T, hidden] for the step's tokens. A step whose sequences take different paths
+        (``_path_groups``) runs one forward per path, each over its own sequences."""
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        groups = self._path_groups(query_lens)
-        if groups is None:
+        groups = self._path_groups(query_lens, prompt_seqs)
+        if len(groups) == 1:
+            seqs, as_prompt = groups[0]
             meta = AttentionMetadata.build(query_lens, context_lens, block_tables,
                                            self.block_size, self.device)
-            return self.model(ids, meta.positions(), self.kv_caches, meta)
+            with prompt_rows(as_prompt):
+                return self.model(ids, meta.positions(), self.kv_caches, meta)
         starts = [0, *itertools.accumulate(query_lens)]
         hidden = None
-        for seqs in groups:
+        for seqs, as_prompt in groups:
             rows = torch.tensor([t for i in seqs for t in range(starts[i], starts[i + 1])],
                                 device=self.device)
             meta = AttentionMetadata.build([query_lens[i] for i in seqs],
                                            [context_lens[i] for i in seqs],
                                            [block_tables[i] for i in seqs], self.block_size,
                                            self.device)
-            part = self.model(ids[rows], meta.positions(), self.kv_caches, meta)
+            with prompt_rows(as_prompt):
+                part = self.model(ids[rows], meta.positions(), self.kv_caches, meta)
             if hidden is None:
                 hidden = part.new_empty((len(input_ids), part.shape[-1]))
             hidden[rows] = part
         return hidden
 
-    def _path_groups(self, query_lens: list[int]) -> list[list[int]] | None:
-        """Sequence indices per forward, or None for one forward over the whole step.
+    def _path_groups(self, query_lens: list[int],
+                     prompt_seqs: list[bool]) -> list[tuple[list[int], bool]]:
+        """(sequence indices, as prompt rows) per forward of the step, in order.
 
         Why: which path computes a row changes its low bits (the stack's and the Python layers'
-        kernels round differently; GGUF weights quantize activations to 8 bits, which turns
-        those bits into visible differences), and greedy output must not depend on what else
-        shares the step. Split, each sequence's rows take the path its own query run selects,
-        whatever the batch: a decode stays on the stack when a prefill chunk joins the step."""
+        kernels round differently; GGUF projections round by their call's row count, and their
+        8-bit activations turn such bits into visible differences), and greedy output must not
+        depend on what else shares the step, nor on how a prompt is split. So:
+
+            prompt rows          (a sequence prefilling its prompt: whole, a chunk, a prefix
+                                 hit's tail) the Python layers, as prompt rows
+                                 (``layers/prompt_rows.py``): GGUF's many-row kernel at any count
+            decodes, short runs  (<= the compiled stack's query limit: speculative
+                                 verification) the compiled decode stack, where the model has one
+            the rest             the Python layers, as they choose by rows
+
+        A model with neither a stack nor many-row GGUF kernels (an accelerator's) runs the step
+        as one forward: there, splitting would cost a second pass over the weights for bits."""
         limit = self._stack_query_limit
-        if limit is None:
-            return None
-        short = [i for i, q in enumerate(query_lens) if q <= limit]
-        if not short or len(short) == len(query_lens):
-            return None
-        return [short, [i for i, q in enumerate(query_lens) if q > limit]]
+        stacked = [i for i, q in enumerate(query_lens)
+                   if not prompt_seqs[i] and limit is not None and q <= limit]
+        prompts = [i for i, p in enumerate(prompt_seqs) if p]
+        rest = [i for i, q in enumerate(query_lens)
+                if not prompt_seqs[i] and (limit is None or q > limit)]
+        if limit is None and not self._many_row_kernels:
+            return [(list(range(len(query_lens))), False)]
+        return [(seqs, as_prompt) for seqs, as_prompt in
+                ((stacked, False), (prompts, True), (rest, False)) if seqs]
+
+    @property
+    def _many_row_kernels(self) -> bool:
+        """Whether a projection of the model leaves its dot kernels from some row count on
+        (GGUF weights on this machine's measured crossover: quant/gguf.integer_rows_max)."""
+        if self._many_rows is _UNSET:
+            self._many_rows = integer_rows_max(self.model) is not None
+        return self._many_rows
 
     @property
     def attention_model(self) -> torch.nn.Module:

@@ -23,6 +23,7 @@ from torch import nn
 from kvforge.kernels.decode_stack import kernel_weight, run_decode_stack, stack_handles_step
 from kvforge.kernels.ops import KERNEL_KV_DTYPES
 from kvforge.layers.linear import Linear, PackedLinearMethod, PackedRowsEmbedding, place_linears
+from kvforge.layers.prompt_rows import computing_prompt_rows
 
 
 class CompiledDecodeMixin:
@@ -47,7 +48,10 @@ class CompiledDecodeMixin:
                        kv_caches: list[torch.Tensor], meta) -> torch.Tensor | None:
         """A step of decodes and short query runs (speculative verification), no prefill
         chunk, in one compiled call when the model qualifies; None otherwise (the caller runs
-        its Python layers, which remain the reference)."""
+        its Python layers, which remain the reference). Prompt rows always run the Python
+        layers (``layers/prompt_rows.py``), as a whole prompt's do."""
+        if computing_prompt_rows():
+            return None
         if stack_handles_step(meta) and len(kv_caches) == self.num_layers:
             stack = self.decode_stack()
             if (stack is not None and stack_handles_step(meta, stack)

@@ -35,6 +35,7 @@ from torch import nn
 from kvforge.kernels import cpu_kernels
 from kvforge.kernels.gguf_tiles import shard_gemm_path
 from kvforge.layers.linear import Linear, LinearMethod
+from kvforge.layers.prompt_rows import computing_prompt_rows
 from kvforge.loader import gguf_loader
 from kvforge.quant.base import QuantizationConfig, load_bias_shard, register_quantization
 
@@ -168,12 +169,13 @@ def integer_rows_max(model) -> int | None:
 
 def blocks_multiply(weight, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2d [M, K] @ W^T (+ bias)`` for a ``blocks_weight`` (fp32 rows in, as the kernel
-    takes them)."""
+    takes them). Prompt rows (``layers/prompt_rows.py``) take the weight's many-row kernel at
+    any row count, where it has one."""
     if x2d.dtype != torch.float32 or x2d.stride(-1) != 1:
         x2d = x2d.float().contiguous()
     if isinstance(weight, torch.Tensor):
         return torch.nn.functional.linear(x2d, weight, bias)
-    return weight.linear(x2d, bias)
+    return weight.linear(x2d, bias, force_many_rows=computing_prompt_rows())
 
 
 class GGUFLinearMethod(LinearMethod):

@@ -58,8 +58,8 @@ def tiny(tiny_model_factory):
 
 def test_chunked_prefill_off_equals_on(tiny):
     path, _ = tiny
-    # below two of the prompts (33, 47 tokens); chunks of up to 16 tokens run in the compiled
-    # decode stack (kernels/decode_stack.py), longer ones in the Python layers: both are used
+    # below two of the prompts (33, 47 tokens): some chunks are shorter than the decode
+    # stack's query runs (16), others longer; prompt rows run the Python layers either way
     budget = 24
     whole, chunked = {}, {}
     tokens_off, _ = _run(path, prompt_chunks=whole, enable_chunked_prefill=False,

@@ -1,7 +1,6 @@
-"""A step that mixes sequences the compiled decode stack takes (decodes, prompt chunks of up to
-16 tokens) with longer prefill chunks computes each sequence on the path its own query run
-selects (ModelRunner._path_groups): a request's numbers do not depend on what else shares
-its steps, bit for bit."""
+"""A step that mixes sequences on different paths (the compiled decode stack's decodes, prompt
+rows in the Python layers) computes each sequence on its own path (ModelRunner._path_groups):
+a request's numbers do not depend on what else shares its steps, bit for bit."""
 import pytest
 
 from kvforge import LLM, SamplingParams

@@ -138,7 +138,8 @@ struct Projection {
       return module(x).cast<at::Tensor>().reshape({x.size(0), -1});
     }
     if (gguf != nullptr)
-      return gguf->linear(x, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      return gguf->linear(x, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                          false);
     // the same choices as layers/linear.py: our kernels up to kLinearRowsMax rows, x @ W^T
     // (MKL's packed GEMM) for longer query runs
     at::Tensor y;

@@ -6,7 +6,9 @@
 //                             DecodeStack step (run) or as one call from Python (linear), in
 //                             passes of kGgufDotRowsMax activation rows (prefill chunks)
 //   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
-//   block shards, >= gemm_min_rows rows (a prefill chunk, a decode batch of 16+; 0: never)
+//   block shards, >= gemm_min_rows rows (a prefill chunk, a decode batch of 16+; 0: never),
+//   or a prompt's rows at any count (linear's force_many_rows: so they round alike in any
+//   chunk)
 //                             int8_panels: int8 panels (gguf_gemm.cpp; from Python: linear,
 //                             inside a DecodeStack step: run_panels), 2-3x the dots; shards
 //                             without a panel form (Q8_0) and int8_panels off: the fp32 tiles.
@@ -146,7 +148,11 @@ class GgufWeight {
     });
   }
 
-  at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const {
+  // force_many_rows: take the many-row kernel (panels / tiles) whatever the row count, where this
+  // weight has one (gemm_min_rows > 0): the rows of a prompt, so that each rounds as it does in
+  // any chunk of any length (a prefix-cache hit's few tail rows as in the whole prompt)
+  at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                    bool force_many_rows) const {
     check_fp32_cpu(x, "x");
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.size(1) == k_,
                 "GGUF linear: x must be [M >= 1, ", k_, "] with contiguous rows, got ",
@@ -160,8 +166,8 @@ class GgufWeight {
     }
     const int64_t rows = x.size(0);
     at::Tensor y = at::empty({rows, out_features()}, x.options());
-    const bool tiles = (shards_.any_float && rows > kGgufDotRowsMax) ||
-                       (gemm_min_rows_ > 0 && rows >= gemm_min_rows_);
+    const bool many = gemm_min_rows_ > 0 && (force_many_rows || rows >= gemm_min_rows_);
+    const bool tiles = (shards_.any_float && rows > kGgufDotRowsMax) || many;
     if (!tiles) {
       const int64_t xs = x.stride(0), ys = out_features();
       for (int64_t m0 = 0; m0 < rows; m0 += kGgufDotRowsMax) {
@@ -172,7 +178,7 @@ class GgufWeight {
               team, claims.data());
         });
       }
-    } else if (!any_on_panels_ || gemm_min_rows_ == 0 || rows < gemm_min_rows_) {
+    } else if (!any_on_panels_ || !many) {
       many_rows(x, shards_, y);
       if (b != nullptr) y.add_(*bias);
     } else {
@@ -240,7 +246,7 @@ at::Tensor gguf_linear(at::Tensor x, std::vector<at::Tensor> raws, std::vector<i
                        c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K]");
   return GgufWeight(std::move(raws), std::move(types), x.size(1), false, 0, false, kDotMaddubs)
-      .linear(x, bias);
+      .linear(x, bias, false);
 }
 
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t k,
@@ -261,7 +267,7 @@ void bind_gguf_weight(pybind11::module& m) {
       .def_property_readonly("out_features", &GgufWeight::out_features)
       .def_property_readonly("gemm_min_rows", &GgufWeight::gemm_min_rows)
       .def("linear", &GgufWeight::linear, py::arg("x"), py::arg("bias") = py::none(),
-           release_gil())
+           py::arg("force_many_rows") = false, release_gil())
       .def("dequantize", &GgufWeight::dequantize, py::arg("ids") = py::none(), release_gil());
 }
 
