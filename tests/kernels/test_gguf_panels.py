@@ -64,6 +64,28 @@ def test_a_panel_row_does_not_depend_on_the_others(compiled, qtype):
 
 
 @needs_kernels
+def test_forced_many_rows_take_panels_at_any_count_where_every_shard_has_them(compiled):
+    """``force_many_rows`` (prompt rows, layers/prompt_rows.py): below the crossover a weight
+    whose shards are all on panels gives each row the bits it gets among 70 rows; a weight with
+    a shard off panels (Q8_0: fp32 tiles) keeps the dots there, as without the flag."""
+    k = 256
+    on_panels = panel_weight(compiled, [random_blocks(T.Q4_K, 24, k, seed=4),
+                                        random_blocks(T.Q6_K, 8, k, seed=5)],
+                             [T.Q4_K, T.Q6_K], k, gemm_min_rows=16)
+    x = uneven_activations(70, k, seed=2)
+    many = on_panels.linear(x)
+    for a, b in ((0, 1), (7, 10), (60, 75)):
+        assert torch.equal(on_panels.linear(x[a:b], force_many_rows=True), many[a:b])
+    assert not torch.equal(on_panels.linear(x[7:10]), many[7:10])          # the dots' rounding
+    raws = [random_blocks(T.Q4_K, 16, k, seed=6), random_blocks(T.Q8_0, 8, k, seed=7)]
+    mixed = panel_weight(compiled, raws, [T.Q4_K, T.Q8_0], k, gemm_min_rows=16)
+    assert torch.equal(mixed.linear(x[:3], force_many_rows=True), mixed.linear(x[:3]))
+    dots = compiled.GgufWeight([torch.from_numpy(r) for r in raws], [int(T.Q4_K), int(T.Q8_0)],
+                               k)
+    assert torch.equal(mixed.linear(x[:3], force_many_rows=True), dots.linear(x[:3]))
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [3, 40])
 def test_mixed_shards_take_panels_tiles_and_dots_by_rows(compiled, rows):
     """q | k | v of Q4_K, Q6_K and Q8_0 (no panel form: fp32 tiles) with a bias: from

@@ -7,8 +7,8 @@
 //                             passes of kGgufDotRowsMax activation rows (prefill chunks)
 //   float shards, many rows   weight tiles converted to fp32 for ATen's GEMM (many_rows)
 //   block shards, >= gemm_min_rows rows (a prefill chunk, a decode batch of 16+; 0: never),
-//   or a prompt's rows at any count (linear's force_many_rows: so they round alike in any
-//   chunk)
+//   or, all shards on panels, a prompt's rows at any count (linear's force_many_rows: so they
+//   round alike in any chunk)
 //                             int8_panels: int8 panels (gguf_gemm.cpp; from Python: linear,
 //                             inside a DecodeStack step: run_panels), 2-3x the dots; shards
 //                             without a panel form (Q8_0) and int8_panels off: the fp32 tiles.
@@ -148,9 +148,11 @@ class GgufWeight {
     });
   }
 
-  // force_many_rows: take the many-row kernel (panels / tiles) whatever the row count, where this
-  // weight has one (gemm_min_rows > 0): the rows of a prompt, so that each rounds as it does in
-  // any chunk of any length (a prefix-cache hit's few tail rows as in the whole prompt)
+  // force_many_rows: take the int8 panels whatever the row count, where every shard is on them
+  // (gemm_min_rows > 0): the rows of a prompt, so that each rounds as it does in any chunk of
+  // any length (a prefix-cache hit's few tail rows as in the whole prompt). Not the fp32 tiles:
+  // ATen's GEMM sums a row by the call's row count anyway, and a tile converts 256 weight rows
+  // to fp32 however few activation rows it has.
   at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                     bool force_many_rows) const {
     check_fp32_cpu(x, "x");
@@ -166,7 +168,8 @@ class GgufWeight {
     }
     const int64_t rows = x.size(0);
     at::Tensor y = at::empty({rows, out_features()}, x.options());
-    const bool many = gemm_min_rows_ > 0 && (force_many_rows || rows >= gemm_min_rows_);
+    const bool many =
+        gemm_min_rows_ > 0 && ((force_many_rows && all_on_panels_) || rows >= gemm_min_rows_);
     const bool tiles = (shards_.any_float && rows > kGgufDotRowsMax) || many;
     if (!tiles) {
       const int64_t xs = x.stride(0), ys = out_features();
