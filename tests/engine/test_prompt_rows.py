@@ -3,9 +3,10 @@ after a prefix-cache hit (a few tail rows), or in chunked-prefill pieces with a 
 
 On GGUF weights the projections leave their integer dots for int8 panels from a measured row
 count on (set here to 16, panels; the test suite's default is never), and the two round
-activations differently: a prefix hit's 8-row tail used to run the dots (in the compiled decode
-stack) where the whole 40-token prompt ran panels, which moved the logprobs and, at near-ties,
-the greedy tokens. The default model's logprobs are compared as exact floats."""
+activations differently: computed by row count, a prefix hit's 8-row tail would run the dots
+(in the compiled decode stack) where the whole 40-token prompt runs panels, which moves the
+logprobs and, at near-ties, the greedy tokens. The default model's logprobs are compared as
+exact floats."""
 import pytest
 
 from kvforge import LLM, SamplingParams
