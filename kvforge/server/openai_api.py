@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -99,9 +99,15 @@ class OpenAIServing:
         if body.logit_bias:
             self.check_token_ids(list(body.logit_bias), "logit_bias")
         try:
-            return body.sampling_params(max_tokens, logprobs, structured)
+            params = body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as e:
             raise OpenAIError(400, str(e), code="invalid_value") from e
+        if isinstance(params.prediction, str):
+            # tokenized once, as the engine would (no special tokens): the ids go on to the
+            # engine and to usage
+            params = replace(params, prediction=self.tokenizer.encode(
+                params.prediction, add_special_tokens=False))
+        return params
 
     async def structured_output(self, body, forced: StructuredOutputParams | None = None,
                                 forced_by: str | None = None) -> StructuredOutputParams | None:
@@ -300,10 +306,6 @@ class _Job:
         self.request_ids: list[str] = []                # engine requests, one per prompt
         self.finished = [False] * len(prompt_ids)
         self.completion_ids: dict[int, list[int]] = {}  # choice index -> token ids so far
-        # the predicted output's tokens, as the engine reads them (usage counts them)
-        self.prediction_ids = (serving.tokenizer.encode(params.prediction,
-                                                        add_special_tokens=False)
-                               if params.prediction else [])
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
         self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
@@ -344,7 +346,7 @@ class _Job:
 
     def _usage(self) -> dict:
         return responses.usage(self.num_prompt_tokens, list(self.completion_ids.values()),
-                               self.prediction_ids)
+                               self.params.prediction or [])
 
     def _new_logprobs(self, idx: int, co, chat: bool):
         if self.params.logprobs is None or co.logprobs is None:
