@@ -238,7 +238,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         groups = self._path_groups(query_lens, prompt_seqs)
         if len(groups) == 1:
-            seqs, as_prompt = groups[0]
+            _, as_prompt = groups[0]
             meta = AttentionMetadata.build(query_lens, context_lens, block_tables,
                                            self.block_size, self.device)
             with prompt_rows(as_prompt):
@@ -278,13 +278,13 @@ class ModelRunner:
         A model with neither a stack nor many-row GGUF kernels (an accelerator's) runs the step
         as one forward: there, splitting would cost a second pass over the weights for bits."""
         limit = self._stack_query_limit
+        if limit is None and not self._many_row_kernels:
+            return [(list(range(len(query_lens))), False)]
         stacked = [i for i, q in enumerate(query_lens)
                    if not prompt_seqs[i] and limit is not None and q <= limit]
         prompts = [i for i, p in enumerate(prompt_seqs) if p]
         rest = [i for i, q in enumerate(query_lens)
                 if not prompt_seqs[i] and (limit is None or q > limit)]
-        if limit is None and not self._many_row_kernels:
-            return [(list(range(len(query_lens))), False)]
         return [(seqs, as_prompt) for seqs, as_prompt in
                 ((stacked, False), (prompts, True), (rest, False)) if seqs]
 
