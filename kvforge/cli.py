@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -281,19 +282,52 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kvforge.torch_import import import_torch_frozen
-    import_torch_frozen()            # the parser's imports load torch: load it frozen
-    parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_generate_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     p.add_argument("prompt")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt as a user turn of the model's chat template (default: "
                         "when the model has one)")
+    from kvforge.keep_alive import KEEP_ALIVE_ENV
+    p.add_argument("--keep-alive", default=os.environ.get(KEEP_ALIVE_ENV), metavar="DURATION",
+                   help="leave the engine loaded in the background this long after the answer "
+                        "(300, 30s, 5m, 1h; negative: until `kvforge stop`); the next generate "
+                        f"with the same engine flags uses it (default: ${KEEP_ALIVE_ENV}, else off)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+    return p
+
+
+def generate_kept_alive(argv: list[str]) -> int | None:
+    """``kvforge generate --keep-alive D``, before anything imports torch: the answer from a
+    kept-alive engine (started when there is none); None when keep-alive is off."""
+    from kvforge.keep_alive import ensure_engine, parse_duration, sampling_fields, stream_generate
+    parser = argparse.ArgumentParser(prog="kvforge")
+    add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        keep_alive = parse_duration(args.keep_alive)
+        if keep_alive is None:
+            return None
+        sock = ensure_engine(engine_kwargs(args), keep_alive)
+    except (ValueError, RuntimeError) as e:
+        print(f"kvforge: error: {e}", file=sys.stderr)
+        return 2
+    return stream_generate(sock, args.prompt, args.chat_template, sampling_fields(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["generate"]:
+        rc = generate_kept_alive(argv)
+        if rc is not None:
+            return rc
+    from kvforge.torch_import import import_torch_frozen
+    import_torch_frozen()            # the parser's imports load torch: load it frozen
+    parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     p.add_argument("--system", default=None)
     add_engine_args(p)
@@ -314,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvforge.bench.serving import add_bench_args
     add_bench_args(p)
     p.set_defaults(func=cmd_bench_serve)
+    from kvforge.keep_alive import add_commands as add_keep_alive_commands
+    add_keep_alive_commands(sub)
     from kvforge.quant.commands import add_quant_commands
     add_quant_commands(sub, add_engine_args)
     from kvforge.loader.catalog_commands import add_catalog_commands

@@ -524,7 +524,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig,
     async def models():
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "kvforge", "max_model_len": serving.max_model_len}]}
+            "owned_by": "kvforge", "max_model_len": serving.max_model_len,
+            "chat_template": getattr(serving.tokenizer, "chat_template", None) is not None}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -28,6 +28,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this unix socket instead of --host / --port")
+    g.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="exit after this many seconds without a request (kept-alive engines)")
     g.add_argument("--log-level", default="info")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind this endpoint (processes with "
@@ -45,9 +49,13 @@ def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
     from kvforge.config import EngineConfig
     from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.engine.factory import create_engine
+    from kvforge.server.idle_exit import IdleExitServer, IdleTracker
     from kvforge.server.metrics import ServerMetrics
     from kvforge.server.openai_api import ServerConfig, create_app
 
+    idle_timeout = getattr(args, "idle_timeout", None)
+    if idle_timeout is not None and idle_timeout <= 0:
+        raise ValueError(f"--idle-timeout must be > 0 seconds, got {idle_timeout}")
     # LLMEngine, or DiffusionEngine for a masked-diffusion model (same request interface)
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs))
     name = args.served_model_name or _model_name(engine_kwargs.get("model"))
@@ -57,9 +65,13 @@ def build_server(engine_kwargs: dict[str, Any], args: argparse.Namespace):
     metrics = ServerMetrics(name)
     async_engine = AsyncLLMEngine(engine, step_callback=metrics.on_step)
     app = create_app(async_engine, config, metrics)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout))
+    if idle_timeout is not None:
+        app = IdleTracker(app)
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, uds=getattr(args, "uds", None),
+        log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    server = (uvicorn.Server(uvicorn_config) if idle_timeout is None
+              else IdleExitServer(uvicorn_config, app, idle_timeout))
     return server, async_engine
 
 
