@@ -65,8 +65,13 @@ def run_dir() -> Path:
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         base = os.path.join(xdg, "kvforge") if xdg else os.path.expanduser("~/.cache/kvforge/run")
     path = Path(base)
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    # whoever can reach a socket here can use (and stop) the engine behind it: refuse a
+    # directory others can enter rather than change the mode of one the user named
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"kept-alive engines need a private run directory (owned by you, mode "
+                         f"0700); {path} is not: set ${RUN_DIR_ENV} to one")
     return path
 
 

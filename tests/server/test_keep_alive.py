@@ -132,6 +132,18 @@ def test_idle_tracker_counts_a_streaming_response_until_its_last_chunk():
     asyncio.run(scenario())
 
 
+def test_run_directory_must_be_private(monkeypatch, tmp_path, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    monkeypatch.setenv("KVFORGE_RUN_DIR", str(shared))
+    with pytest.raises(ValueError, match="private run directory"):
+        run_dir()
+    assert main(["generate", "x", "--keep-alive", "1m"]) == 2
+    assert "private run directory" in capsys.readouterr().err
+    assert oct(shared.stat().st_mode & 0o777) == "0o755"      # left as the user made it
+
+
 def test_kept_alive_state_files_of_dead_engines_are_dropped(engines_dir):
     stale = os.path.join(engines_dir, "0123456789abcdef.json")
     with open(stale, "w") as f:
