@@ -282,29 +282,40 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_generate_parser(sub) -> argparse.ArgumentParser:
+def _add_keep_alive_arg(p: argparse.ArgumentParser) -> None:
+    from kvforge.keep_alive import KEEP_ALIVE_ENV
+    p.add_argument("--keep-alive", default=os.environ.get(KEEP_ALIVE_ENV), metavar="DURATION",
+                   help="leave the engine loaded in the background this long after its last "
+                        "request (300, 30s, 5m, 1h; negative: until `kvforge stop`); the next "
+                        "generate / chat with the same engine flags uses it (default: "
+                        f"${KEEP_ALIVE_ENV}, else off)")
+
+
+def add_generate_and_chat_parsers(sub) -> None:
     p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     p.add_argument("prompt")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt as a user turn of the model's chat template (default: "
                         "when the model has one)")
-    from kvforge.keep_alive import KEEP_ALIVE_ENV
-    p.add_argument("--keep-alive", default=os.environ.get(KEEP_ALIVE_ENV), metavar="DURATION",
-                   help="leave the engine loaded in the background this long after the answer "
-                        "(300, 30s, 5m, 1h; negative: until `kvforge stop`); the next generate "
-                        f"with the same engine flags uses it (default: ${KEEP_ALIVE_ENV}, else off)")
+    _add_keep_alive_arg(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
-    return p
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    p.add_argument("--system", default=None)
+    _add_keep_alive_arg(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
 
 
-def generate_kept_alive(argv: list[str]) -> int | None:
-    """``kvforge generate --keep-alive D``, before anything imports torch: the answer from a
+def run_kept_alive(argv: list[str]) -> int | None:
+    """``kvforge generate | chat --keep-alive D``, before anything imports torch: served by a
     kept-alive engine (started when there is none); None when keep-alive is off."""
-    from kvforge.keep_alive import ensure_engine, parse_duration, sampling_fields, stream_generate
+    from kvforge.keep_alive import (chat_loop, ensure_engine, parse_duration, sampling_fields,
+                                    stream_generate)
     parser = argparse.ArgumentParser(prog="kvforge")
-    add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    add_generate_and_chat_parsers(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
         keep_alive = parse_duration(args.keep_alive)
@@ -314,25 +325,22 @@ def generate_kept_alive(argv: list[str]) -> int | None:
     except (ValueError, RuntimeError) as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "chat":
+        return chat_loop(sock, args.system, sampling_fields(args))
     return stream_generate(sock, args.prompt, args.chat_template, sampling_fields(args))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["generate"]:
-        rc = generate_kept_alive(argv)
+    if argv[:1] in (["generate"], ["chat"]):
+        rc = run_kept_alive(argv)
         if rc is not None:
             return rc
     from kvforge.torch_import import import_torch_frozen
     import_torch_frozen()            # the parser's imports load torch: load it frozen
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)
-    p = sub.add_parser("chat", help="interactive multi-turn chat")
-    p.add_argument("--system", default=None)
-    add_engine_args(p)
-    add_sampling_args(p)
-    p.set_defaults(func=cmd_chat)
+    add_generate_and_chat_parsers(sub)
     p = sub.add_parser("info", help="model facts, including KV bytes per token")
     p.add_argument("model", nargs="?", default=None)
     p.set_defaults(func=cmd_info)

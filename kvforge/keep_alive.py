@@ -13,7 +13,8 @@ starting Python and one request over a unix socket.
 other engine flags gets an engine of its own; sampling flags travel with each request. The run
 directory (``$KVFORGE_RUN_DIR``, else ``$XDG_RUNTIME_DIR/kvforge``, else
 ``~/.cache/kvforge/run``) is private to the user (0700): the sockets are the engines' only door.
-``kvforge ps`` lists the kept-alive engines, ``kvforge stop`` ends them.
+``kvforge chat --keep-alive`` does the same for a conversation; ``kvforge ps`` lists the
+kept-alive engines, ``kvforge stop`` ends them.
 
 This module runs before anything imports torch (the CLI's fast path) and so uses only the
 standard library: ``http.client`` over an AF_UNIX socket and the server's server-sent events
@@ -195,44 +196,81 @@ def _error_message(body: bytes, status: int) -> str:
         return f"HTTP {status}: {body[:200]!r}"
 
 
+def _has_chat_template(sock: str) -> bool:
+    status, models = _get_json(sock, "/v1/models")
+    return bool(models["data"][0].get("chat_template")) if status == 200 else False
+
+
+def _stream(sock: str, url: str, body: dict[str, Any], chat: bool, out) -> tuple[int, str]:
+    """POST a streamed completion, printing its text as it comes: (0, text), or (2, "") with
+    the server's error message on stderr."""
+    conn = _UnixConnection(sock)
+    text = []
+    try:
+        conn.request("POST", url, json.dumps(dict(body, stream=True)),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            print(f"kvforge: error: {_error_message(resp.read(), resp.status)}", file=sys.stderr)
+            return 2, ""
+        for event in _events(resp):
+            if "error" in event:
+                print(f"kvforge: error: {event['error'].get('message')}", file=sys.stderr)
+                return 2, ""
+            choice = (event.get("choices") or [{}])[0]
+            piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+            if piece:
+                text.append(piece)
+                out.write(piece)
+                out.flush()
+    finally:
+        conn.close()
+    out.write("\n")
+    return 0, "".join(text)
+
+
 def stream_generate(sock: str, prompt: str, wrap: bool | None, sampling: dict[str, Any],
                     out=None) -> int:
     """``kvforge generate`` against a running engine: the prompt as a user turn of the chat
     template when ``wrap`` (None: when the model has one), else as it is; text printed as it
     streams. 0, or 2 with the server's error message on stderr."""
     out = out or sys.stdout
-    status, models = _get_json(sock, "/v1/models")
-    has_template = bool(models["data"][0].get("chat_template")) if status == 200 else False
+    has_template = _has_chat_template(sock)
     if wrap is None:
         wrap = has_template
     if wrap and not has_template:
         print("kvforge: error: --chat-template: the model has no chat template (a base model?): "
               "use --no-chat-template", file=sys.stderr)
         return 2
-    body = dict(sampling, stream=True)
     if wrap:
-        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
-    else:
-        url, body["prompt"] = "/v1/completions", prompt
-    conn = _UnixConnection(sock)
-    try:
-        conn.request("POST", url, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            print(f"kvforge: error: {_error_message(resp.read(), resp.status)}", file=sys.stderr)
-            return 2
-        for event in _events(resp):
-            if "error" in event:
-                print(f"kvforge: error: {event['error'].get('message')}", file=sys.stderr)
-                return 2
-            choice = (event.get("choices") or [{}])[0]
-            piece = choice.get("delta", {}).get("content") if wrap else choice.get("text")
-            if piece:
-                out.write(piece)
-                out.flush()
-    finally:
-        conn.close()
-    out.write("\n")
+        body = dict(sampling, messages=[{"role": "user", "content": prompt}])
+        return _stream(sock, "/v1/chat/completions", body, True, out)[0]
+    return _stream(sock, "/v1/completions", dict(sampling, prompt=prompt), False, out)[0]
+
+
+def chat_loop(sock: str, system: str | None, sampling: dict[str, Any], out=None) -> int:
+    """``kvforge chat`` against a running engine: turns read from stdin until an empty line or
+    its end, each reply streamed; the conversation travels with every request."""
+    out = out or sys.stdout
+    if not _has_chat_template(sock):
+        print("kvforge: error: kvforge chat needs a chat model; this one has no chat template (a "
+              "base model?): use `kvforge generate --no-chat-template PROMPT`", file=sys.stderr)
+        return 2
+    messages = [{"role": "system", "content": system}] if system else []
+    print("kvforge chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        rc, reply = _stream(sock, "/v1/chat/completions", dict(sampling, messages=messages), True,
+                            out)
+        if rc:
+            return rc
+        messages.append({"role": "assistant", "content": reply})
     return 0
 
 

@@ -81,6 +81,24 @@ def test_kept_alive_generate_answers_like_in_process_and_reuses_its_engine(
     assert not list(run_dir().glob("*.sock"))     # the engines removed their sockets
 
 
+def test_kept_alive_chat_replies_like_in_process(tiny_model_factory, engines_dir, capsys,
+                                                monkeypatch):
+    """The conversation travels with each request: every reply equals the in-process chat's."""
+    import io
+    path, _ = tiny_model_factory("llama")
+    flags = ["chat", "--model", path, "--system", "Be brief.", "--max-tokens", "6",
+             "--num-kv-blocks", "64"]
+    turns = "Hello there\nAnd then?\n\nnever read\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    assert main(flags) == 0
+    expected = capsys.readouterr().out
+    assert expected.count("> ") == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    assert main([*flags, "--keep-alive", "30s"]) == 0
+    assert capsys.readouterr().out == expected
+    assert len(running_engines()) == 1
+
+
 def test_kept_alive_engine_exits_when_idle(tiny_model_factory, engines_dir, capsys):
     path, _ = tiny_model_factory("llama")
     assert main(["generate", "Hi", "--model", path, "--max-tokens", "3", "--num-kv-blocks", "64",
