@@ -232,12 +232,18 @@ class OpenAIServing:
             self.check_token_ids(ids, "prompt")
         # absent: the API's default of 16, or fewer if the context is nearly full
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
-        max_tokens = output_budget(self.max_model_len, [len(p) for p in prompt_ids], requested,
-                                   default=16, param="max_tokens", prompt_param="prompt")
+        # max_tokens 0 scores the prompt: the engine makes one token, which the response drops
+        score_only = requested == 0
+        max_tokens = output_budget(self.max_model_len, [len(p) for p in prompt_ids],
+                                   1 if score_only else requested, default=16,
+                                   param="max_tokens", prompt_param="prompt")
         params = self._params(body, max_tokens, body.logprobs, await self.structured_output(body))
+        if body.echo and body.logprobs is not None:
+            params = replace(params, prompt_logprobs=body.logprobs)   # the echoed prompt's own
         echo_texts = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
                       for p in raw_prompts]
         job = _Job(self, "cmpl", body, params, prompt_ids, echo_texts)
+        job.score_only = score_only
         return await job.respond(job.stream_completion, job.full_completion)
 
     async def chat(self, body: ChatCompletionRequest):
@@ -308,6 +314,7 @@ class _Job:
         self.completion_ids: dict[int, list[int]] = {}  # choice index -> token ids so far
         self.sent_tokens: dict[int, int] = {}           # choice index -> tokens with logprobs sent
         self.text_len: dict[int, int] = {}              # choice index -> chars sent (text_offset)
+        self.score_only = False     # completions with max_tokens 0: the generated token dropped
         self.tool_mode = "none"     # chat: "none", "auto", "required", "named" (tool_calls.py)
         self.tool_names: set[str] = set()
         self.max_tool_calls: int | None = None      # 1: parallel_tool_calls false
@@ -345,8 +352,15 @@ class _Job:
         return grew
 
     def _usage(self) -> dict:
-        return responses.usage(self.num_prompt_tokens, list(self.completion_ids.values()),
-                               self.params.prediction or [])
+        completions = [] if self.score_only else list(self.completion_ids.values())
+        return responses.usage(self.num_prompt_tokens, completions, self.params.prediction or [])
+
+    def _echo_logprobs(self, i: int, out: RequestOutput) -> dict | None:
+        """Prompt ``i``'s tokens and their logprobs, for an echoed completion with logprobs."""
+        if not self.body.echo or self.params.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return responses.echo_logprobs(self.prompt_ids[i], out.prompt_logprobs,
+                                       self.params.prompt_logprobs, self.s.token_text)
 
     def _new_logprobs(self, idx: int, co, chat: bool):
         if self.params.logprobs is None or co.logprobs is None:
@@ -370,30 +384,60 @@ class _Job:
                 finals[i] = out
         choices = []
         for i in range(len(self.prompt_ids)):
+            echoed = self._echo_logprobs(i, finals[i])
             for co in finals[i].outputs:
                 idx = i * self.n + co.index
                 self.completion_ids[idx] = co.token_ids
                 self.text_len[idx] = len(self.echo_texts[i])
+                if self.score_only:
+                    choices.append({"index": idx, "text": self.echo_texts[i],
+                                    "logprobs": echoed if self.params.logprobs is not None
+                                    else None, "finish_reason": "length"})
+                    continue
+                generated = self._new_logprobs(idx, co, chat=False)
                 choices.append({"index": idx, "text": self.echo_texts[i] + co.text,
-                                "logprobs": self._new_logprobs(idx, co, chat=False),
+                                "logprobs": responses.join_logprobs(echoed, generated),
                                 "finish_reason": co.finish_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self._usage()}
+
+    def _echo_chunks(self, i: int, logprobs: dict | None) -> list[dict]:
+        text = self.echo_texts[i]
+        chunks = []
+        for j in range(self.n):
+            self.text_len[i * self.n + j] = len(text)
+            chunks.append(self._chunk("text_completion", [
+                {"index": i * self.n + j, "text": text, "logprobs": logprobs,
+                 "finish_reason": None}]))
+        return chunks
 
     def _chunk(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
     async def stream_completion(self, streams) -> AsyncIterator[dict]:
-        if self.body.echo:
-            for i, text in enumerate(self.echo_texts):
-                for j in range(self.n):
-                    self.text_len[i * self.n + j] = len(text)
-                    yield self._chunk("text_completion", [
-                        {"index": i * self.n + j, "text": text, "logprobs": None,
-                         "finish_reason": None}])
+        # the echoed prompt goes first; with its logprobs asked for, when the prefill made them
+        # (with the prompt's first output)
+        echo_waits = self.body.echo and self.params.prompt_logprobs is not None
+        if self.body.echo and not echo_waits:
+            for i in range(len(self.echo_texts)):
+                for chunk in self._echo_chunks(i, None):
+                    yield chunk
+        echoed: set[int] = set()
         async for i, out in self._merge(streams):
+            if echo_waits and i not in echoed:
+                echoed.add(i)
+                for chunk in self._echo_chunks(i, self._echo_logprobs(i, out)):
+                    yield chunk
+            if self.score_only:
+                if out.finished:
+                    for co in out.outputs:
+                        self._count_tokens(i * self.n + co.index, co)
+                        yield self._chunk("text_completion", [
+                            {"index": i * self.n + co.index, "text": "", "logprobs": None,
+                             "finish_reason": "length"}])
+                continue
             for co, delta in zip(out.outputs, out.deltas):
                 idx = i * self.n + co.index
                 new_tokens = self._count_tokens(idx, co)

@@ -189,7 +189,9 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: int | None = Field(16, ge=1)
+    # 0: no completion, the prompt scored (with echo and logprobs: lm-evaluation-harness's
+    # loglikelihood requests)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     # OpenAI fields this server does not implement: refused when they would change the result

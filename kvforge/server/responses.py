@@ -29,6 +29,35 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], k
     return out
 
 
+def echo_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], k: int,
+                  token_text: TokenText) -> dict:
+    """The echoed prompt's part of a completion's logprobs (``completion_logprobs``' shape,
+    offsets from 0): its first token has no logprob (null), as OpenAI gives it."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(entry.get(tid))
+        top = {token_text(t): lp for t, lp in _top(entry, k)}
+        top.setdefault(text, entry.get(tid))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def join_logprobs(first: dict | None, then: dict | None) -> dict | None:
+    """Two completion-logprobs blocks as one (the echoed prompt's, then the completion's)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}
+
+
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
                   token_text: TokenText) -> dict:
     """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""

@@ -20,7 +20,7 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -
     ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"model": "tiny", "prompt": "hi", "temperature": 3.5}, "temperature"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),   # 0 scores the prompt
     ({"model": "tiny", "prompt": "hi", "logprobs": 99}, "logprobs"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": "tiny"}, "prompt"),

@@ -185,6 +185,54 @@ def test_echo_and_seeded_sampling(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(client, server, offline):
+    """echo + logprobs: the prompt's tokens first, the first with a null logprob, the rest the
+    offline engine's prompt_logprobs; then the completion's. Streamed, the same tokens and
+    values. max_tokens 0 (lm-evaluation-harness's loglikelihood requests): the prompt alone,
+    no completion tokens billed."""
+    ids = offline.tokenizer.encode(PROMPT)
+    want = offline.generate([PROMPT], greedy(3, logprobs=1, prompt_logprobs=1),
+                            use_tqdm=False)[0]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=1)
+    lp = got.choices[0].logprobs
+    n = len(ids)
+    assert got.choices[0].text == PROMPT + want.outputs[0].text
+    assert len(lp.tokens) == n + 3
+    assert "".join(lp.tokens[:n]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, n):
+        assert lp.token_logprobs[pos] == pytest.approx(want.prompt_logprobs[pos][ids[pos]],
+                                                       abs=1e-5)
+    assert lp.token_logprobs[n:] == pytest.approx(
+        [e[t] for t, e in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)], abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(PROMPT)
+
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                       echo=True, logprobs=1, stream=True)
+    tokens, values = [], []
+    for ch in stream:
+        if ch.choices and ch.choices[0].logprobs is not None:
+            tokens += ch.choices[0].logprobs.tokens
+            values += ch.choices[0].logprobs.token_logprobs
+    assert tokens == lp.tokens
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+    scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True,
+                                       logprobs=1)
+    assert scored.choices[0].text == PROMPT
+    assert scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.tokens == lp.tokens[:n]
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:n], abs=1e-6)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+    server.assert_clean()
+
+
 def test_async_client_streaming(server, offline):
     import openai
     want = offline.generate([PROMPT], greedy(8), use_tqdm=False)[0].outputs[0].text
