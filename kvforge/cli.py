@@ -342,9 +342,15 @@ def run_kept_alive(argv: list[str]) -> int | None:
     except (ValueError, RuntimeError) as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "chat":
-        return serve_chat(sock, args.system, sampling_fields(args))
-    return stream_generate(sock, args.prompt, args.chat_template, sampling_fields(args))
+    import http.client
+    try:
+        if args.command == "chat":
+            return serve_chat(sock, args.system, sampling_fields(args))
+        return stream_generate(sock, args.prompt, args.chat_template, sampling_fields(args))
+    except (OSError, http.client.HTTPException) as e:      # the engine went away mid-request
+        print(f"\nkvforge: error: the kept-alive engine stopped answering ({e!r}); its log is "
+              f"beside {sock}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,33 @@ def test_kept_alive_chat_replies_like_in_process(tiny_model_factory, engines_dir
     assert len(running_engines()) == 1
 
 
+def test_a_kept_alive_engine_killed_mid_answer_is_a_clean_error(tiny_model_factory, engines_dir,
+                                                                capsys, monkeypatch):
+    """The engine dies while a client waits on it: exit 2 and a message, not a traceback; the
+    next call starts a new engine."""
+    import signal
+
+    from kvforge import keep_alive
+    path, _ = tiny_model_factory("llama")
+    flags = ["generate", "Hi", "--model", path, "--max-tokens", "3", "--num-kv-blocks", "64",
+             "--keep-alive", "60s"]
+    assert main(flags) == 0
+    capsys.readouterr()
+    pid = running_engines()[0]["pid"]
+
+    def dying_stream(*args, **kwargs):
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_for(lambda: not running_engines(), 10)     # a zombie counts as gone
+        return keep_alive._get_json(args[0], "/v1/models")
+    monkeypatch.setattr(keep_alive, "_has_chat_template", dying_stream)
+    assert main(flags) == 2
+    assert "stopped answering" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setenv("KVFORGE_RUN_DIR", engines_dir)
+    assert main(flags) == 0
+    assert [e["pid"] for e in running_engines()] != [pid]
+
+
 def test_kept_alive_engine_exits_when_idle(tiny_model_factory, engines_dir, capsys):
     path, _ = tiny_model_factory("llama")
     assert main(["generate", "Hi", "--model", path, "--max-tokens", "3", "--num-kv-blocks", "64",
