@@ -4,10 +4,11 @@ loading the model again (ollama's ``keep_alive``). A process that runs an engine
 importing torch and loading the model (seconds); one that asks a running engine pays for
 starting Python and one request over a unix socket.
 
-    first call:  lock -> no engine -> spawn ``python -m kvforge.server.resident`` (the OpenAI
-                 server on ``<run dir>/<key>.sock``, exiting after the keep-alive of idleness)
-                 -> wait for /health -> stream the answer -> unlock on the way
-    later calls: lock -> /health answers -> unlock -> stream the answer
+    first call:  /health fails -> lock -> still no engine -> spawn ``python -m
+                 kvforge.server.resident`` (the OpenAI server on ``<run dir>/<key>.sock``,
+                 exiting after the keep-alive of idleness) -> /health answers -> unlock
+                 -> stream the answer
+    later calls: /health answers -> stream the answer
 
 ``<key>`` hashes the engine's arguments (and kvforge's version and location), so a call with
 other engine flags gets an engine of its own; sampling flags travel with each request. The run
@@ -40,7 +41,7 @@ from kvforge.file_lock import exclusive
 
 KEEP_ALIVE_ENV = "KVFORGE_KEEP_ALIVE"
 RUN_DIR_ENV = "KVFORGE_RUN_DIR"
-START_TIMEOUT_S = 900.0         # a first load may build an offload store or fetch nothing: minutes
+START_TIMEOUT_S = 900.0         # a first load may pull a catalogue model or build an offload store
 POLL_S = 0.05
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -139,9 +140,11 @@ def _start(key: str, engine_kwargs: dict[str, Any], keep_alive_s: float, directo
            "--state", str(directory / f"{key}.json")]
     if keep_alive_s != float("inf"):
         cmd += ["--idle-timeout", repr(keep_alive_s)]
+    # the socket is the engine's only door and the run directory private: no API key on it
+    env = {k: v for k, v in os.environ.items() if k != "KVFORGE_API_KEY"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _alive(str(sock)):
         if proc.poll() is not None:

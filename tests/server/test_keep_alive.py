@@ -52,9 +52,11 @@ def test_parse_duration():
 
 
 def test_kept_alive_generate_answers_like_in_process_and_reuses_its_engine(
-        tiny_model_factory, engines_dir, capsys):
+        tiny_model_factory, engines_dir, capsys, monkeypatch):
     path, _ = tiny_model_factory("llama")
     base = ["--model", path, "--max-tokens", "7", "--num-kv-blocks", "64"]
+    # a server key in the environment is not the kept-alive engine's (its socket is private)
+    monkeypatch.setenv("KVFORGE_API_KEY", "secret")
     for wrap in ([], ["--no-chat-template"]):
         assert main(["generate", "Hello there", *base, *wrap]) == 0
         expected = capsys.readouterr().out
