@@ -128,6 +128,40 @@ def test_a_kept_alive_engine_killed_mid_answer_is_a_clean_error(tiny_model_facto
     assert [e["pid"] for e in running_engines()] != [pid]
 
 
+def test_concurrent_first_calls_share_one_engine(tiny_model_factory, engines_dir):
+    """Two `kvforge generate --keep-alive` processes started together: one starts the engine
+    (under the key's lock), the other waits for it; both get the same answer."""
+    import subprocess
+    import sys
+    path, _ = tiny_model_factory("llama")
+    cmd = [sys.executable, "-m", "kvforge.cli", "generate", "Hello there", "--model", path,
+           "--max-tokens", "5", "--num-kv-blocks", "64", "--keep-alive", "60s"]
+    env = dict(os.environ, KVFORGE_RUN_DIR=engines_dir)
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e.decode()[-2000:] for _, e in outs]
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip()
+    assert len(running_engines()) == 1
+    assert len(_resident_processes(engines_dir)) == 1     # not two, one overwriting the other
+
+
+def _resident_processes(run_dir_path: str) -> list[int]:
+    """Pids of kept-alive engine processes serving sockets in ``run_dir_path``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "kvforge.server.resident" in cmdline and run_dir_path in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
 def test_kept_alive_engine_exits_when_idle(tiny_model_factory, engines_dir, capsys):
     path, _ = tiny_model_factory("llama")
     assert main(["generate", "Hi", "--model", path, "--max-tokens", "3", "--num-kv-blocks", "64",
