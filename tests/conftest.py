@@ -9,6 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # engines run the build's default kernel plans unless a test tunes (tests/kernels/
 # test_linear_tune.py): no timing in the suite, no writes to ~/.cache/kvforge/tune
 os.environ.setdefault("KVFORGE_TUNE", "0")
+# the CLI tests run the engine in their own process; a user's keep-alive setting would send
+# them to background engines instead (tests/server/test_keep_alive.py asks for those itself)
+os.environ.pop("KVFORGE_KEEP_ALIVE", None)
 
 import pytest
 import torch
