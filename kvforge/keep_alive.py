@@ -157,9 +157,29 @@ def _start(key: str, engine_kwargs: dict[str, Any], keep_alive_s: float, directo
         time.sleep(POLL_S)
 
 
+# engine arguments naming files: a relative path means a different file from another directory
+_INPUT_PATHS = ("model", "speculative_draft_model")      # files, or catalogue names
+_OUTPUT_PATHS = ("offload_dir", "offload_trace")
+
+
+def absolute_paths(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` with its paths absolute (the engine's key and its process's cwd must
+    not decide which file a relative path names)."""
+    out = dict(engine_kwargs)
+    for name in _INPUT_PATHS:
+        value = out.get(name)
+        if isinstance(value, str) and os.path.exists(value):
+            out[name] = os.path.abspath(value)
+    for name in _OUTPUT_PATHS:
+        if isinstance(out.get(name), str):
+            out[name] = os.path.abspath(out[name])
+    return out
+
+
 def ensure_engine(engine_kwargs: dict[str, Any], keep_alive_s: float) -> str:
     """The socket of a running engine for ``engine_kwargs``, started if there is none (one
     start at a time per key: concurrent calls wait for the first one's engine)."""
+    engine_kwargs = absolute_paths(engine_kwargs)
     directory = run_dir()
     key = engine_key(engine_kwargs)
     sock = str(directory / f"{key}.sock")

@@ -225,6 +225,24 @@ def test_run_directory_must_be_private(monkeypatch, tmp_path, capsys):
     assert oct(shared.stat().st_mode & 0o777) == "0o755"      # left as the user made it
 
 
+def test_relative_paths_name_the_same_files_from_any_directory(tmp_path, monkeypatch):
+    from kvforge.keep_alive import absolute_paths, engine_key
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "m.gguf").write_bytes(b"x")
+    keys = []
+    for d in ("a", "b"):
+        monkeypatch.chdir(tmp_path / d)
+        kw = absolute_paths({"model": "m.gguf", "offload_trace": "t.json",
+                             "speculative_draft_model": "qwen2.5-coder-0.5b-instruct"})
+        assert kw["model"] == str(tmp_path / d / "m.gguf")
+        assert kw["offload_trace"] == str(tmp_path / d / "t.json")
+        assert kw["speculative_draft_model"] == "qwen2.5-coder-0.5b-instruct"  # a name
+        keys.append(engine_key(kw))
+    assert keys[0] != keys[1]          # two files, two engines
+
+
 def test_kept_alive_state_files_of_dead_engines_are_dropped(engines_dir):
     stale = os.path.join(engines_dir, "0123456789abcdef.json")
     with open(stale, "w") as f:
