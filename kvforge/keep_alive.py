@@ -78,10 +78,22 @@ def run_dir() -> Path:
     return path
 
 
+# engine arguments naming files: a relative path means a different file from another directory
+_INPUT_PATHS = ("model", "speculative_draft_model")      # files, or catalogue names
+_OUTPUT_PATHS = ("offload_dir", "offload_trace")
+
+
 def engine_key(engine_kwargs: dict[str, Any]) -> str:
-    """One engine per set of engine arguments, kvforge version and installation."""
+    """One engine per set of engine arguments (and the size and mtime of the model files they
+    name), kvforge version and installation."""
     import kvforge
-    ident = {"engine": engine_kwargs, "version": getattr(kvforge, "__version__", ""),
+    files = {}                   # a model file replaced in place: the old engine no longer fits
+    for name in _INPUT_PATHS:
+        value = engine_kwargs.get(name)
+        if isinstance(value, str) and os.path.exists(value):
+            st = os.stat(value)
+            files[name] = [st.st_size, st.st_mtime_ns]
+    ident = {"engine": engine_kwargs, "files": files, "version": getattr(kvforge, "__version__", ""),
              "package": os.path.dirname(os.path.abspath(kvforge.__file__))}
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -155,11 +167,6 @@ def _start(key: str, engine_kwargs: dict[str, Any], keep_alive_s: float, directo
             raise RuntimeError(f"the kept-alive engine did not answer within "
                                f"{START_TIMEOUT_S:.0f} s (log {log})")
         time.sleep(POLL_S)
-
-
-# engine arguments naming files: a relative path means a different file from another directory
-_INPUT_PATHS = ("model", "speculative_draft_model")      # files, or catalogue names
-_OUTPUT_PATHS = ("offload_dir", "offload_trace")
 
 
 def absolute_paths(engine_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -241,6 +241,10 @@ def test_relative_paths_name_the_same_files_from_any_directory(tmp_path, monkeyp
         assert kw["speculative_draft_model"] == "qwen2.5-coder-0.5b-instruct"  # a name
         keys.append(engine_key(kw))
     assert keys[0] != keys[1]          # two files, two engines
+    kw = absolute_paths({"model": "m.gguf"})
+    before = engine_key(kw)
+    os.utime("m.gguf", ns=(1, 1))      # the file replaced in place
+    assert engine_key(kw) != before
 
 
 def test_kept_alive_state_files_of_dead_engines_are_dropped(engines_dir):
