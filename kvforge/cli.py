@@ -359,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         rc = run_kept_alive(argv)
         if rc is not None:
             return rc
+    if argv[:1] in (["ps"], ["stop"]):               # kept-alive engines: no torch needed
+        from kvforge.keep_alive import add_commands
+        parser = argparse.ArgumentParser(prog="kvforge")
+        add_commands(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        try:
+            return args.func(args)
+        except ValueError as e:
+            print(f"kvforge: error: {e}", file=sys.stderr)
+            return 2
     from kvforge.torch_import import import_torch_frozen
     import_torch_frozen()            # the parser's imports load torch: load it frozen
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
