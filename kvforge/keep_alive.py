@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvforge.file_lock import exclusive
+from kvforge.processes import is_zombie, pid_exists
 
 KEEP_ALIVE_ENV = "KVFORGE_KEEP_ALIVE"
 RUN_DIR_ENV = "KVFORGE_RUN_DIR"
@@ -297,28 +298,14 @@ def sampling_fields(args) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ kvforge ps / stop
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True                    # no /proc: kill(0) is all there is
-
-
 def running_engines() -> list[dict[str, Any]]:
     """The state files of kept-alive engines whose process is alive (stale ones removed)."""
     out = []
     for state in sorted(run_dir().glob("*.json")):
         try:
             info = json.loads(state.read_text())
-            if not _process_alive(int(info["pid"])):
+            pid = int(info["pid"])
+            if not pid_exists(pid) or is_zombie(pid):      # killed, not yet reaped: gone
                 raise ProcessLookupError(info["pid"])
         except (OSError, ValueError, KeyError):
             with contextlib.suppress(OSError):

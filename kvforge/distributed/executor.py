@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 
 from kvforge.distributed.config import EXECUTOR_BACKENDS
 from kvforge.distributed.tp_worker import WorkerSpec, worker_main
+from kvforge.processes import pid_exists
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ def _describe_exit(code: int | None) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
-
-
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class MultiprocessingExecutor(TensorParallelExecutor):

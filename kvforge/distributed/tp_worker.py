@@ -119,7 +119,7 @@ def _serve(spec: WorkerSpec, comm: CommGroup) -> None:
 
 
 def _check_alive(pid: int) -> None:
-    from kvforge.distributed.executor import pid_exists     # (it imports this module)
+    from kvforge.processes import pid_exists
     if not pid_exists(pid):
         raise RuntimeError(f"tensor-parallel rank 0 (pid {pid}) is gone")
 

@@ -68,7 +68,7 @@ def _has_gguf_experts(model) -> bool:
 def remove_stale_kv_dirs(offload_dir: str) -> None:
     """Remove ``kv-<pid>`` directories of processes no longer running (left by versions that
     kept the KV files' names until shutdown)."""
-    from kvforge.distributed.executor import pid_exists
+    from kvforge.processes import pid_exists
     try:
         names = os.listdir(offload_dir)
     except FileNotFoundError:
