@@ -257,6 +257,8 @@ def stream_generate(sock: str, prompt: str, wrap: bool | None, sampling: dict[st
     template when ``wrap`` (None: when the model has one), else as it is; text printed as it
     streams. 0, or 2 with the server's error message on stderr."""
     out = out or sys.stdout
+    if wrap is False:                 # the prompt as it is: the model card is not needed
+        return _stream(sock, "/v1/completions", dict(sampling, prompt=prompt), False, out)[0]
     has_template = _has_chat_template(sock)
     if wrap is None:
         wrap = has_template

@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state", required=True)
     from kvforge.server.serve import add_server_args
     add_server_args(p)
+    p.set_defaults(log_level="warning")      # a background engine's log: its problems only
     args = p.parse_args(argv)
     if args.uds is None:
         p.error("--uds is required")
-    args.log_level = "warning" if args.log_level == "info" else args.log_level
     engine_kwargs = json.loads(args.engine_kwargs)
     state = {"pid": os.getpid(), "model": engine_kwargs.get("model"), "socket": args.uds,
              "started": time.time(), "idle_timeout": args.idle_timeout}

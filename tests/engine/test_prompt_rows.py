@@ -80,7 +80,6 @@ def test_without_many_row_kernels_prompts_still_skip_the_decode_stack(default_mo
     assert (again_tokens, again_logprobs) == (tokens, logprobs)
 
 
-
 @pytest.fixture(scope="module")
 def tiny_gemma3_q4_1(tmp_path_factory):
     """A tiny Gemma 3 GGUF (sliding window 8 on 6 of its 7 layers) whose projections are Q4_1
