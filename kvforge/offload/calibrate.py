@@ -1,6 +1,7 @@
 """Hardware constants of the cost model, measured once and cached: the disk tier's direct-read
-bandwidth and small-write latency, and the time a linear layer takes per million fp32 parameters at a few row counts
-(memory-bound at few rows, compute-bound at many). ``kvforge offload calibrate`` runs it."""
+bandwidth and small-write latency, the time a linear layer takes per million fp32 parameters at
+a few row counts (memory-bound at few rows, compute-bound at many), and what reads and compute
+cost each other when they overlap. ``kvforge offload calibrate`` runs it."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvforge.offload.direct_io import measure_block_write_s, measure_disk_bandwidth
+from kvforge.offload.direct_io import measure_block_write_s, measure_disk_bandwidth, read_while
 
 CALIBRATION_ROWS = (1, 8, 32, 128, 512)
+CONTENTION_ROWS = 128            # a decode block's rows (16 batches of 8): the step's GEMMs
+CONTENTION_SECONDS = 1.0
 CACHE_PATH = os.path.expanduser("~/.cache/kvforge/offload_calibration.json")
 
 
@@ -28,6 +31,24 @@ class HardwareCosts:
     per_layer_call_s: float = 2e-4        # Python + small ops of one layer call on one batch
     # one KV block's plane written back (a small direct write: latency-bound, not bytes)
     disk_block_write_s: float = 1.1e-4
+    # Reads and compute at once (the loaders beside the layers). On a VM the two can take each
+    # other's CPU: on a 2-core EPYC VM direct reads ran at ~0.6 of their rate beside a 2-thread
+    # GEMM and slowed it by 30-90%, so an overlapped step is longer than max(io, compute).
+    disk_read_contended_bytes_per_s: float | None = None     # None: the rate alone
+    compute_contended_slowdown: float = 1.0                  # GEMM time beside reads / alone
+
+    def overlapped_seconds(self, io: float, compute: float) -> float:
+        """Seconds of ``io`` (seconds of reads alone) and ``compute`` (seconds alone) run at
+        once: both at their contended rates while both run, the one left at its own rate
+        after the other ends. Without contention it is max(io, compute)."""
+        if io <= 0 or compute <= 0:
+            return io + compute
+        contended = self.disk_read_contended_bytes_per_s or self.disk_read_bytes_per_s
+        io_both = io * self.disk_read_bytes_per_s / contended
+        compute_both = compute * self.compute_contended_slowdown
+        if io_both <= compute_both:
+            return io_both + compute * (1 - io_both / compute_both)
+        return compute_both + io * (1 - compute_both / io_both)
 
     def linear_seconds(self, params: float, rows: int) -> float:
         """Interpolated in log(rows) between the measured points; linear in rows past the last."""
@@ -53,7 +74,7 @@ class HardwareCosts:
 
 def _cache_key(offload_dir: str) -> str:
     st = os.stat(offload_dir)
-    return f"v4|{platform.node()}|{platform.processor()}|dev{st.st_dev}|threads{torch.get_num_threads()}"
+    return f"v5|{platform.node()}|{platform.processor()}|dev{st.st_dev}|threads{torch.get_num_threads()}"
 
 
 def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
@@ -90,7 +111,30 @@ def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
             for _ in range(12):
                 h = h * 1.0
         per_call = (time.perf_counter() - start) / 200
-    return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call, block_write)
+        read_contended, slowdown = _measure_contention(offload_dir, linear, k)
+    return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call, block_write,
+                         min(read_contended, disk_read), slowdown)
+
+
+def _measure_contention(offload_dir: str, linear, k: int) -> tuple[float, float]:
+    """(direct-read bytes/s beside the GEMM, the GEMM's time beside reads / alone): the
+    GEMM of a decode block's rows for ~CONTENTION_SECONDS alone, then again while a thread
+    reads the disk tier."""
+    x = torch.randn(CONTENTION_ROWS, k)
+    linear(x)
+    start = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - start < CONTENTION_SECONDS:
+        linear(x)
+        reps += 1
+    alone = (time.perf_counter() - start) / reps
+
+    def work() -> None:
+        for _ in range(reps):
+            linear(x)
+
+    rate, seconds = read_while(offload_dir, work)
+    return rate, max(1.0, seconds / reps / alone)
 
 
 def load_or_measure(offload_dir: str, refresh: bool = False,

@@ -4,8 +4,9 @@ needs.
 
 Each decoder layer is in one of four placements: weights resident or streamed, KV in RAM or
 on disk. Per layer the step takes ``max(io, compute)`` when the loader and the store thread
-overlap I/O with compute (FlexGen's ``max(ctog, gtoc, dtoc, ctod, comp)``), ``io + compute``
-when they do not; ``io`` is what the layer reads (streamed weights, the block's KV on disk)
+overlap I/O with compute (FlexGen's ``max(ctog, gtoc, dtoc, ctod, comp)``), stretched by what
+the two cost each other where they run at once (``HardwareCosts.overlapped_seconds``, measured
+by the calibration), and ``io + compute`` when they do not overlap; ``io`` is what the layer reads (streamed weights, the block's KV on disk)
 and writes (each sequence's current KV block) on the one disk."""
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def layer_kv_io_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int
 def head_s(m: ModelFacts, hw: HardwareCosts, seqs: int, overlap: bool) -> float:
     load = m.head_bytes / hw.disk_read_bytes_per_s
     compute = hw.linear_seconds(m.head_params, seqs)
-    return max(load, compute) if overlap else load + compute
+    return hw.overlapped_seconds(load, compute) if overlap else load + compute
 
 
 def category_layer_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int,
@@ -169,7 +170,7 @@ def category_layer_s(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: 
     out = []
     for resident, kv_ram in CATEGORIES:
         io = (0.0 if resident else load) + (0.0 if kv_ram else kv_io)
-        out.append(max(io, compute) if overlap else io + compute)
+        out.append(hw.overlapped_seconds(io, compute) if overlap else io + compute)
     return out
 
 

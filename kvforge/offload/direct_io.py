@@ -123,6 +123,45 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 256 << 20,
         os.unlink(path)
 
 
+def read_while(directory: str, work, nbytes: int = 256 << 20,
+               chunk: int = 16 << 20) -> tuple[float, float]:
+    """(bytes/s, seconds): the direct-read rate a thread keeps up while ``work()`` runs in the
+    caller, and ``work``'s own duration then: the loader beside the layers. A fresh probe file of
+    ``nbytes`` is read round and round in ``chunk`` pieces."""
+    import threading
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, ".kvforge-contention-probe")
+    block = os.urandom(1 << 20) * (chunk >> 20)
+    write_file(path, [(off, block) for off in range(0, nbytes, chunk)], nbytes)
+    f = DiskFile(path)
+    buf = AlignedBuffer(chunk)
+    stop = threading.Event()
+    started = threading.Event()
+
+    def reader() -> None:
+        off = 0
+        started.set()
+        while not stop.is_set():
+            f.read_into(buf.view, off)
+            off = (off + chunk) % nbytes
+
+    thread = threading.Thread(target=reader, name="kvforge-contention-probe", daemon=True)
+    try:
+        thread.start()
+        started.wait()
+        time.sleep(0.05)                        # the reads under way before the work starts
+        read0, start = f.bytes_read, time.perf_counter()
+        work()
+        seconds = time.perf_counter() - start
+        rate = (f.bytes_read - read0) / seconds
+    finally:
+        stop.set()
+        thread.join()
+        f.close()
+        os.unlink(path)
+    return rate, seconds
+
+
 def measure_block_write_s(directory: str, nbytes: int = 16 << 10, count: int = 96) -> float:
     """Seconds of one small direct write (a KV block's plane, ``nbytes``), one at a time, into
     a written file at a stride of 3 blocks (a decode batch's pattern: each sequence's current

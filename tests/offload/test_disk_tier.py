@@ -1,12 +1,13 @@
 """The disk tier: direct reads, the weight store round trip, head chunks, KV blocks on disk,
 and the loader's ordering."""
 import os
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, write_file
+from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, read_while, write_file
 from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.trace import TraceRecorder
@@ -23,6 +24,19 @@ def test_direct_file_reads_what_was_written_and_evicts_the_page_cache(tmp_path):
     assert bytes(buf.view[:2 * ALIGN]) == data[ALIGN:]
     assert f.bytes_read == 2 * ALIGN
     f.close()
+
+
+def test_read_while_reads_the_disk_tier_during_the_work_and_cleans_up(tmp_path):
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.2)
+
+    rate, seconds = read_while(str(tmp_path), work, nbytes=8 << 20, chunk=1 << 20)
+    assert calls == [1] and seconds >= 0.2
+    assert rate > 0                     # the reader thread ran beside the work
+    assert list(tmp_path.iterdir()) == []
 
 
 class TwoLinear(nn.Module):

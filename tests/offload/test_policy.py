@@ -18,12 +18,16 @@ FACTS = ModelFacts(num_layers=6, layer_bytes=10 * MiB, layer_params=2_500_000,
 WORK = Workload(seq_len=64, step_tokens=512, block_size=16)
 
 
-def hw(disk_mb_s: float, s_per_mparam: float = 1e-3) -> HardwareCosts:
+def hw(disk_mb_s: float, s_per_mparam: float = 1e-3, contended_mb_s: float | None = None,
+       slowdown: float = 1.0) -> HardwareCosts:
     return HardwareCosts(disk_read_bytes_per_s=disk_mb_s * 1e6,
                          disk_write_bytes_per_s=disk_mb_s * 1e6,
                          linear_s_per_mparam={1: s_per_mparam, 8: s_per_mparam,
                                               64: 4 * s_per_mparam},
-                         memory_bytes_per_s=10e9, per_layer_call_s=1e-4)
+                         memory_bytes_per_s=10e9, per_layer_call_s=1e-4,
+                         disk_read_contended_bytes_per_s=(
+                             None if contended_mb_s is None else contended_mb_s * 1e6),
+                         compute_contended_slowdown=slowdown)
 
 
 def exhaustive_best(costs, budget, batch_size, max_nb=12, min_nb=1):
@@ -41,10 +45,12 @@ def exhaustive_best(costs, budget, batch_size, max_nb=12, min_nb=1):
     return best
 
 
+@pytest.mark.parametrize("contention", [None, (0.6, 1.5)])
 @pytest.mark.parametrize("disk_mb_s", [50, 500, 5000])
 @pytest.mark.parametrize("budget_mib", [30, 45, 80])
-def test_lp_matches_exhaustive_search_and_fits_the_budget(disk_mb_s, budget_mib):
-    costs = hw(disk_mb_s)
+def test_lp_matches_exhaustive_search_and_fits_the_budget(disk_mb_s, budget_mib, contention):
+    costs = (hw(disk_mb_s) if contention is None
+             else hw(disk_mb_s, contended_mb_s=contention[0] * disk_mb_s, slowdown=contention[1]))
     budget = budget_mib * MiB
     p = choose_placement(PolicySpec("lp"), FACTS, costs, WORK, budget, 4, None)
     assert p.fast_tier_bytes <= budget
@@ -115,3 +121,32 @@ def test_explicit_policy_is_obeyed_and_a_tiny_budget_is_refused():
 def test_parse_policy_rejects(bad):
     with pytest.raises(ValueError, match="offload_policy"):
         parse_policy(bad)
+
+
+def test_overlap_without_contention_is_the_longer_of_the_two():
+    costs = hw(500)
+    assert costs.overlapped_seconds(0.3, 0.5) == pytest.approx(0.5)
+    assert costs.overlapped_seconds(0.7, 0.2) == pytest.approx(0.7)
+    assert costs.overlapped_seconds(0.0, 0.2) == pytest.approx(0.2)
+
+
+def test_overlap_under_contention_runs_both_slowed_then_the_rest_alone():
+    costs = hw(500, contended_mb_s=250, slowdown=1.5)     # reads at half rate, compute 1.5x
+    # io 0.2 s alone -> 0.4 s beside compute; compute 1.0 s alone -> 1.5 s beside reads.
+    # Reads end at 0.4 s, with 0.4 / 1.5 of the compute done; the rest alone: 1.0 * (1 - 4/15)
+    assert costs.overlapped_seconds(0.2, 1.0) == pytest.approx(0.4 + 1.0 * (1 - 0.4 / 1.5))
+    # io-bound: compute ends at 0.15 s with 0.15 / 0.8 of the reads done, the rest at full rate
+    assert costs.overlapped_seconds(0.4, 0.1) == pytest.approx(0.15 + 0.4 * (1 - 0.15 / 0.8))
+    for io, compute in [(0.2, 1.0), (1.0, 1.0), (0.4, 0.1)]:
+        assert costs.overlapped_seconds(io, compute) > max(io, compute)
+
+
+def test_contention_lowers_the_lp_prediction_of_a_streaming_placement():
+    quiet, contended = hw(200), hw(200, contended_mb_s=120, slowdown=1.5)
+    a = choose_placement(PolicySpec("lp"), FACTS, quiet, WORK, 60 * MiB, 4, None)
+    b = choose_placement(PolicySpec("lp"), FACTS, contended, WORK, 60 * MiB, 4, None)
+    assert b.predicted_tokens_per_s < a.predicted_tokens_per_s
+    # the naive policy does not overlap, so contention does not touch its prediction
+    na = choose_placement(PolicySpec("naive"), FACTS, quiet, WORK, 60 * MiB, 4, None)
+    nb = choose_placement(PolicySpec("naive"), FACTS, contended, WORK, 60 * MiB, 4, None)
+    assert na.predicted_step_s == pytest.approx(nb.predicted_step_s)
