@@ -58,8 +58,10 @@ def test_lp_matches_exhaustive_search_and_fits_the_budget(disk_mb_s, budget_mib,
                            FACTS.num_layers - len(p.kv_disk_layers), p.slots)
     assert used <= budget
     best = exhaustive_best(costs, budget, 4, max_nb=MAX_BLOCK_BATCHES)
-    # a bigger block is taken only for BLOCK_GAIN_MIN more throughput
+    # the largest block within BLOCK_GAIN_MIN of the best prediction is taken
     assert p.predicted_tokens_per_s >= best / BLOCK_GAIN_MIN * 0.999
+    for nb in range(p.block_batches + 1, MAX_BLOCK_BATCHES + 1):
+        assert exhaustive_best(costs, budget, 4, max_nb=nb, min_nb=nb) < best / BLOCK_GAIN_MIN
     for nb in (1, 3, 8):                  # at a given block size the placement is optimal
         try:
             fixed = choose_placement(PolicySpec("lp"), FACTS, costs, WORK, budget, 4, nb)
