@@ -6,8 +6,9 @@ Each decoder layer is in one of four placements: weights resident or streamed, K
 on disk. Per layer the step takes ``max(io, compute)`` when the loader and the store thread
 overlap I/O with compute (FlexGen's ``max(ctog, gtoc, dtoc, ctod, comp)``), stretched by what
 the two cost each other where they run at once (``HardwareCosts.overlapped_seconds``, measured
-by the calibration), and ``io + compute`` when they do not overlap; ``io`` is what the layer reads (streamed weights, the block's KV on disk)
-and writes (each sequence's current KV block) on the one disk."""
+by the calibration), and ``io + compute`` when they do not overlap; ``io`` is what the layer
+reads (streamed weights, the block's KV on disk) and writes (each sequence's current KV block)
+on the one disk."""
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 
 import torch
@@ -128,7 +129,6 @@ def read_while(directory: str, work, nbytes: int = 256 << 20,
     """(bytes/s, seconds): the direct-read rate a thread keeps up while ``work()`` runs in the
     caller, and ``work``'s own duration then: the loader beside the layers. A fresh probe file of
     ``nbytes`` is read round and round in ``chunk`` pieces."""
-    import threading
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, ".kvforge-contention-probe")
     block = os.urandom(1 << 20) * (chunk >> 20)
