@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvforge.offload.direct_io import measure_block_write_s, measure_disk_bandwidth, read_while
+from kvforge.offload.direct_io import (measure_block_write_s, measure_disk_bandwidth, probe_file,
+                                       read_while)
 
 CALIBRATION_ROWS = (1, 8, 32, 128, 512)
 CONTENTION_ROWS = 128            # a decode block's rows (16 batches of 8): the step's GEMMs
@@ -37,14 +38,17 @@ class HardwareCosts:
     disk_read_contended_bytes_per_s: float | None = None     # None: the rate alone
     compute_contended_slowdown: float = 1.0                  # GEMM time beside reads / alone
 
+    @property
+    def disk_read_beside_compute_bytes_per_s(self) -> float:
+        return self.disk_read_contended_bytes_per_s or self.disk_read_bytes_per_s
+
     def overlapped_seconds(self, io: float, compute: float) -> float:
         """Seconds of ``io`` (seconds of reads alone) and ``compute`` (seconds alone) run at
         once: both at their contended rates while both run, the one left at its own rate
         after the other ends. Without contention it is max(io, compute)."""
         if io <= 0 or compute <= 0:
             return io + compute
-        contended = self.disk_read_contended_bytes_per_s or self.disk_read_bytes_per_s
-        io_both = io * self.disk_read_bytes_per_s / contended
+        io_both = io * self.disk_read_bytes_per_s / self.disk_read_beside_compute_bytes_per_s
         compute_both = compute * self.compute_contended_slowdown
         if io_both <= compute_both:
             return io_both + compute * (1 - io_both / compute_both)
@@ -111,15 +115,17 @@ def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
             for _ in range(12):
                 h = h * 1.0
         per_call = (time.perf_counter() - start) / 200
-        read_contended, slowdown = _measure_contention(offload_dir, linear, k)
+        read_contended, slowdown = _measure_contention(offload_dir, probe_bytes, linear, k)
     return HardwareCosts(disk_read, disk_write, per_rows, mem, per_call, block_write,
                          min(read_contended, disk_read), slowdown)
 
 
-def _measure_contention(offload_dir: str, linear, k: int) -> tuple[float, float]:
+def _measure_contention(offload_dir: str, probe_bytes: int, linear,
+                        k: int) -> tuple[float, float]:
     """(direct-read bytes/s beside the GEMM, the GEMM's time beside reads / alone): the
     GEMM of a decode block's rows for ~CONTENTION_SECONDS alone, then again while a thread
-    reads the disk tier."""
+    reads a fresh probe file of the disk tier (written after the GEMM alone, as the read
+    rate's own probe is: on a VM a file read seconds after its write can read 3x slower)."""
     x = torch.randn(CONTENTION_ROWS, k)
     linear(x)
     start = time.perf_counter()
@@ -133,7 +139,8 @@ def _measure_contention(offload_dir: str, linear, k: int) -> tuple[float, float]
         for _ in range(reps):
             linear(x)
 
-    rate, seconds = read_while(offload_dir, work)
+    with probe_file(offload_dir, probe_bytes) as (probe, _):
+        rate, seconds = read_while(probe, work, probe_bytes)
     return rate, max(1.0, seconds / reps / alone)
 
 

@@ -41,9 +41,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for rows, s in sorted(hw.linear_s_per_mparam.items()):
         print(f"  linear, {rows:4d} rows: {s * 1e3:7.3f} ms per million fp32 weights")
     print(f"  per layer call overhead: {hw.per_layer_call_s * 1e6:.0f} us")
-    contended = hw.disk_read_contended_bytes_per_s or hw.disk_read_bytes_per_s
-    print(f"  reads beside compute {contended / 1e6:8.0f} MB/s; compute beside reads "
-          f"{hw.compute_contended_slowdown:.2f}x its time alone")
+    print(f"  reads beside compute {hw.disk_read_beside_compute_bytes_per_s / 1e6:8.0f} MB/s; "
+          f"compute beside reads {hw.compute_contended_slowdown:.2f}x its time alone")
     if args.model is not None or args.budget is not None:
         _print_policy(args, hw)
     return 0

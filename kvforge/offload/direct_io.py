@@ -3,10 +3,12 @@ where the filesystem refuses O_DIRECT (tmpfs, some overlays), buffered reads fol
 ``posix_fadvise(DONTNEED)`` so the page cache does not quietly become a second RAM tier."""
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
 import time
+from typing import Iterator
 
 import torch
 
@@ -102,37 +104,50 @@ def write_file(path: str, chunks: list[tuple[int, bytes | memoryview]], size: in
     os.replace(tmp, path)
 
 
-def measure_disk_bandwidth(directory: str, nbytes: int = 256 << 20,
-                           chunk: int = 16 << 20) -> tuple[float, float]:
-    """(read, write) bytes/s of the disk tier: a fresh file of ``nbytes`` in ``directory``
-    written and synced (the write rate), evicted, then read back directly (the read rate)."""
+PROBE_CHUNK = 16 << 20       # the calibration's read size: a streamed layer's order of size
+
+
+@contextlib.contextmanager
+def probe_file(directory: str, nbytes: int = 256 << 20,
+               chunk: int = PROBE_CHUNK) -> Iterator[tuple[str, float]]:
+    """(path, write bytes/s): a fresh file of ``nbytes`` in ``directory``, written and synced
+    (the write rate) and evicted from the page cache, for the read probes; removed after."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, ".kvforge-bandwidth-probe")
     block = os.urandom(1 << 20) * (chunk >> 20)
     start = time.perf_counter()
     write_file(path, [(off, block) for off in range(0, nbytes, chunk)], nbytes)
-    write_rate = nbytes / (time.perf_counter() - start)
+    try:
+        yield path, nbytes / (time.perf_counter() - start)
+    finally:
+        os.unlink(path)
+
+
+def measure_disk_bandwidth(directory: str, nbytes: int = 256 << 20,
+                           chunk: int = PROBE_CHUNK) -> tuple[float, float]:
+    """(read, write) bytes/s of the disk tier: a fresh probe file written and synced (the
+    write rate), evicted, then read back directly (the read rate)."""
+    with probe_file(directory, nbytes, chunk) as (path, write_rate):
+        return read_rate(path, nbytes, chunk), write_rate
+
+
+def read_rate(path: str, nbytes: int, chunk: int = PROBE_CHUNK) -> float:
+    """Direct-read bytes/s of the first ``nbytes`` of ``path`` in ``chunk`` pieces."""
     f = DiskFile(path)
     buf = AlignedBuffer(chunk)
     try:
         start = time.perf_counter()
         for off in range(0, nbytes, chunk):
             f.read_into(buf.view, off)
-        return nbytes / (time.perf_counter() - start), write_rate
+        return nbytes / (time.perf_counter() - start)
     finally:
         f.close()
-        os.unlink(path)
 
 
-def read_while(directory: str, work, nbytes: int = 256 << 20,
-               chunk: int = 16 << 20) -> tuple[float, float]:
+def read_while(path: str, work, nbytes: int, chunk: int = PROBE_CHUNK) -> tuple[float, float]:
     """(bytes/s, seconds): the direct-read rate a thread keeps up while ``work()`` runs in the
-    caller, and ``work``'s own duration then: the loader beside the layers. A fresh probe file of
-    ``nbytes`` is read round and round in ``chunk`` pieces."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, ".kvforge-contention-probe")
-    block = os.urandom(1 << 20) * (chunk >> 20)
-    write_file(path, [(off, block) for off in range(0, nbytes, chunk)], nbytes)
+    caller, and ``work``'s own duration then: the loader beside the layers. The first
+    ``nbytes`` of ``path`` are read round and round in ``chunk`` pieces."""
     f = DiskFile(path)
     buf = AlignedBuffer(chunk)
     stop = threading.Event()
@@ -158,7 +173,6 @@ def read_while(directory: str, work, nbytes: int = 256 << 20,
         stop.set()
         thread.join()
         f.close()
-        os.unlink(path)
     return rate, seconds
 
 

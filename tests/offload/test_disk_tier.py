@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvforge.offload.direct_io import ALIGN, AlignedBuffer, DiskFile, read_while, write_file
+from kvforge.offload.direct_io import (ALIGN, AlignedBuffer, DiskFile, probe_file, read_while,
+                                       write_file)
 from kvforge.offload.kv_disk import DiskKVLayer, plan_block_reads
 from kvforge.offload.loader import Stage, StageLoader
 from kvforge.offload.trace import TraceRecorder
@@ -33,7 +34,9 @@ def test_read_while_reads_the_disk_tier_during_the_work_and_cleans_up(tmp_path):
         calls.append(1)
         time.sleep(0.2)
 
-    rate, seconds = read_while(str(tmp_path), work, nbytes=8 << 20, chunk=1 << 20)
+    with probe_file(str(tmp_path), nbytes=8 << 20, chunk=1 << 20) as (path, write_rate):
+        assert write_rate > 0 and os.path.getsize(path) == 8 << 20
+        rate, seconds = read_while(path, work, nbytes=8 << 20, chunk=1 << 20)
     assert calls == [1] and seconds >= 0.2
     assert rate > 0                     # the reader thread ran beside the work
     assert list(tmp_path.iterdir()) == []
