@@ -42,12 +42,14 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     drafter = None      # kvforge/spec DraftProposer (draft-model speculation), set by the engine
-    _last_sampling: tuple[list[Request], SamplingBatch] | None = None
     _stack_limit: object = _UNSET       # _stack_query_limit, resolved on first use
     _many_rows: object = _UNSET         # _many_row_kernels, resolved on first use
     # time the fp32 projections' kernel plans on first use (kernels/tune.py); False: cached
     # plans only
     times_kernels_at_start = True
+    # rows the sampler takes per call (None: all of a step's at once); a runner under a memory
+    # budget bounds the sampler's working copies with it
+    sample_rows_per_call: int | None = None
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
@@ -55,6 +57,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model_config = source.config
         self.model_path = source.path        # what trained exit heads are keyed by (kvforge/exit)
+        # first row -> (requests, SamplingBatch) of the last step's sampler calls
+        self._last_sampling: dict[int, tuple[list[Request], SamplingBatch]] = {}
         self.model = self._load_model(source)
         self.model.eval()
         # a separate draft model (speculative decoding) keeps its own KV tensors over the same
@@ -216,20 +220,28 @@ class ModelRunner:
         rows = (hidden if sample_rows == list(range(hidden.shape[0]))
                 else hidden[torch.tensor(sample_rows, device=self.device)])
         logits = self.model.compute_logits(rows)
-        batch = self._sampling_batch(sample_reqs, logits.shape[-1])
-        result = self.sampler(logits, batch)
+        # the sampler's working copies (penalties, softmax, logprobs) are as large as the
+        # logits it takes: a runner under a memory budget samples its rows a chunk at a time
+        chunk = self.sample_rows_per_call or len(sample_reqs)
+        for c0 in range(0, len(sample_reqs), chunk):
+            reqs = sample_reqs[c0:c0 + chunk]
+            batch = self._sampling_batch(reqs, logits.shape[-1], c0)
+            self._take_samples(out, reqs, self.sampler(logits[c0:c0 + len(reqs)], batch))
+        return out
+
+    @staticmethod
+    def _take_samples(out: ModelRunnerOutput, reqs: list[Request], result) -> None:
         tokens = result.sampled_token_ids.tolist()
-        for j, req in enumerate(sample_reqs):
+        for j, req in enumerate(reqs):
             out.sampled[req.request_id] = [tokens[j]]
         if result.logprobs is not None:
             lp = result.logprobs.tolist()
             lp_ids = result.logprob_token_ids.tolist()
-            for j, req in enumerate(sample_reqs):
+            for j, req in enumerate(reqs):
                 k = req.sampling_params.logprobs
                 if k is None:
                     continue
                 out.logprobs[req.request_id] = {t: v for t, v in zip(lp_ids[j][:k + 1], lp[j][:k + 1])}
-        return out
 
     def _forward(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
                  block_tables: list[list[int]], prompt_seqs: list[bool]) -> torch.Tensor:
@@ -310,18 +322,23 @@ class ModelRunner:
                                  and self.kv_caches[0].dtype in KERNEL_KV_DTYPES else None)
         return self._stack_limit
 
-    def _sampling_batch(self, requests: list[Request], vocab_size: int) -> SamplingBatch:
-        """The last step's batch again when it samples for the same requests and nothing in it
-        depends on their outputs (decode steps of a steady batch), else a new one."""
-        if self._last_sampling is not None:
+    def _sampling_batch(self, requests: list[Request], vocab_size: int,
+                        first_row: int = 0) -> SamplingBatch:
+        """The last step's batch for the rows from ``first_row`` again when it samples for the
+        same requests and nothing in it depends on their outputs (decode steps of a steady
+        batch), else a new one."""
+        last = self._last_sampling.get(first_row)
+        if last is not None:
             # the same Request objects (held here, so never a recycled id), in the same rows
-            last_requests, last = self._last_sampling
-            if (last.reusable and last.vocab_size == vocab_size
+            last_requests, batch = last
+            if (batch.reusable and batch.vocab_size == vocab_size
                     and len(last_requests) == len(requests)
                     and all(a is b for a, b in zip(last_requests, requests))):
-                return last
+                return batch
         batch = SamplingBatch.from_requests(requests, vocab_size, self.device)
-        self._last_sampling = (list(requests), batch)
+        if first_row == 0:
+            self._last_sampling.clear()      # a step's chunks: 0, then the rest
+        self._last_sampling[first_row] = (list(requests), batch)
         return batch
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, row0: int, start: int,

@@ -11,7 +11,7 @@ VOCAB = 50
 
 
 def _runner():
-    return SimpleNamespace(_last_sampling=None, device="cpu")
+    return SimpleNamespace(_last_sampling={}, device="cpu")
 
 
 def _batch(runner, requests, vocab=VOCAB):
