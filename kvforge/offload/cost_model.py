@@ -19,10 +19,18 @@ from kvforge.offload.calibrate import HardwareCosts
 # (weights resident, KV in RAM) of the four layer placements, in the order layers take them
 CATEGORIES = ((True, True), (False, True), (True, False), (False, False))
 # KV staging buffers of one batch each: one computing, the rest loading ahead or waiting for
-# their write-back. With 3 the KV loader stalls whenever a write-back queues behind the weight
-# reads on the one disk; 8 gave the 135M benchmark 11% more tok/s (4 alternated rounds), for
-# 8 batches' KV of RAM (~7 MiB there)
-KV_STAGING_SLOTS = 8
+# their write-back; at least KV_STAGING_SLOTS_MIN, and a block and a half of batches (one
+# layer's batches and half the next layer's) on bigger blocks. With 3 the KV loader stalled
+# whenever a write-back queued behind the weight reads on the one disk; 8 gave the 135M
+# benchmark 11% more tok/s than 3. At its 20-batch block on the 2-core EPYC, 8 left compute
+# waiting ~0.48 s of each ~1.5 s decode step for staged KV; 24-32 took the wait to ~0.01 s
+# and the step to 1.07-1.27 s in 5 of 6 runs (alternated rounds: 1.19 / 1.27 / 1.58 s against
+# 1.54 / 1.64 / 1.42 s with 8): the loader must get past a layer's end, where the slots still
+# hold the layer's last batches, to the next layer's first
+KV_STAGING_SLOTS_MIN = 8
+# rows the sampler takes per call in an offloaded engine: its working copies of the logits
+# (penalties, probabilities) are then this many rows, not the block's
+SAMPLE_ROWS_PER_CALL = 16
 # a layer's dense projections take up to this many of the step's tokens in one call (a decode
 # block whole; a prefill step in groups of batches, which bounds the activations it holds)
 DENSE_GROUP_ROWS = 512
@@ -73,14 +81,14 @@ def group_tokens(w: Workload, batch_size: int, block_batches: int) -> int:
 def activation_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: int) -> int:
     """Fast-tier bytes of activations: hidden + residual of the step's tokens, one group's
     transients (normed input, q/k/v, attention output, MLP intermediates: at most 3
-    intermediate + 8 hidden floats a token) and the block's logits (twice: the sampler's
-    working copy)."""
+    intermediate + 8 hidden floats a token), the block's logits and the sampler's working
+    copies of one call's (SAMPLE_ROWS_PER_CALL rows, two copies)."""
     seqs = batch_size * block_batches
     step_tokens = min(w.step_tokens, seqs * w.seq_len)
     return 4 * (step_tokens * 2 * m.hidden_size
                 + group_tokens(w, batch_size, block_batches)
                 * (3 * m.intermediate_size + 8 * m.hidden_size)
-                + 2 * seqs * m.vocab_size)
+                + (seqs + 2 * min(seqs, SAMPLE_ROWS_PER_CALL)) * m.vocab_size)
 
 
 def kv_layer_bytes(m: ModelFacts, w: Workload, seqs: int) -> int:
@@ -99,10 +107,20 @@ def kv_staging_slot_bytes(m: ModelFacts, w: Workload, batch_size: int) -> int:
     return kv_layer_bytes(m, w, batch_size) + batch_size * w.block_size * m.kv_bytes_per_token_layer
 
 
+def kv_staging_slots(block_batches: int) -> int:
+    """KV staging buffers of a block of ``block_batches`` batches (KV_STAGING_SLOTS_MIN says
+    why a block and a half)."""
+    return max(KV_STAGING_SLOTS_MIN, math.ceil(1.5 * block_batches))
+
+
+def kv_staging_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: int) -> int:
+    return kv_staging_slots(block_batches) * kv_staging_slot_bytes(m, w, batch_size)
+
+
 def fast_tier_bytes(m: ModelFacts, w: Workload, batch_size: int, block_batches: int,
                     resident_layers: int, kv_ram_layers: int, slots: int) -> int:
     seqs = batch_size * block_batches
-    staging = (KV_STAGING_SLOTS * kv_staging_slot_bytes(m, w, batch_size)
+    staging = (kv_staging_bytes(m, w, batch_size, block_batches)
                if kv_ram_layers < m.num_layers else 0)
     return (resident_layers * m.layer_bytes + slots * m.stage_bytes
             + kv_ram_layers * kv_layer_bytes(m, w, seqs) + staging

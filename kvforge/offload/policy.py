@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvforge.offload.calibrate import HardwareCosts
-from kvforge.offload.cost_model import (CATEGORIES, KV_STAGING_SLOTS, ModelFacts, Workload,
-                                        activation_bytes, category_layer_s, decode_step_s,
-                                        fast_tier_bytes, kv_layer_bytes, kv_staging_slot_bytes)
+from kvforge.offload.cost_model import (CATEGORIES, ModelFacts, Workload, activation_bytes,
+                                        category_layer_s, decode_step_s, fast_tier_bytes,
+                                        kv_layer_bytes, kv_staging_bytes)
 
 MAX_BLOCK_BATCHES = 32
 # the chosen block is the largest whose predicted throughput is within this factor of the
@@ -117,7 +117,7 @@ def _solve_counts(m: ModelFacts, hw: HardwareCosts, w: Workload, batch_size: int
     seqs = batch_size * block_batches
     base = fast_tier_bytes(m, w, batch_size, block_batches, 0, 0, 2)
     if not kv_on_disk:
-        base -= KV_STAGING_SLOTS * kv_staging_slot_bytes(m, w, batch_size)
+        base -= kv_staging_bytes(m, w, batch_size, block_batches)
     room = budget - base
     if room < 0:
         return None

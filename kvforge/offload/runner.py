@@ -20,7 +20,7 @@ from kvforge.loader.source import ModelSource
 from kvforge.models.layerwise import layerwise_family
 from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
-from kvforge.offload.cost_model import ModelFacts, Workload
+from kvforge.offload.cost_model import SAMPLE_ROWS_PER_CALL, ModelFacts, Workload
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import DiskKVLayer
 from kvforge.offload.kv_slots import DiskSlotMap
@@ -85,6 +85,7 @@ class OffloadModelRunner(ModelRunner):
     # budget cannot hold (peak RSS 200+ MiB over a 128 MiB budget on a first start): cached
     # plans apply, missing ones run the build's defaults until `kvforge tune` times them
     times_kernels_at_start = False
+    sample_rows_per_call = SAMPLE_ROWS_PER_CALL      # the budget counts one call's copies
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self._max_model_len = max_model_len

@@ -27,7 +27,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.kernels import ops as kernel_ops
 from kvforge.models.base import PagedKVModelMixin
 from kvforge.models.layerwise import layerwise_family
-from kvforge.offload.cost_model import DENSE_GROUP_ROWS, KV_STAGING_SLOTS
+from kvforge.offload.cost_model import DENSE_GROUP_ROWS, kv_staging_slots
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import BlockReadPlan, DiskKVLayer, plan_block_reads
 from kvforge.offload.kv_slots import DiskSlotMap
@@ -43,7 +43,7 @@ from kvforge.quant.gguf import blocks_multiply
 # threads reading KV stages: a batch's stage is a few 100 KB of vectored direct reads that wait
 # behind the weight loader's layer reads on the one disk; two keep a second read queued (the
 # 135M benchmark: 6-19% more tok/s in 8 of 10 alternated pairs). They share the
-# KV_STAGING_SLOTS buffers the cost model counts, so the fast tier's bytes do not change.
+# KV staging buffers the cost model counts, so the fast tier's bytes do not change.
 KV_LOADER_THREADS = 2
 
 
@@ -137,8 +137,8 @@ class OffloadedLM(PagedKVModelMixin, nn.Module):
         self.kv_disk = layers
         self.kv_slots = slots
         if layers:
-            self.kv_loader = StageLoader(1 << 20, KV_STAGING_SLOTS, True, self.trace,
-                                         threads=KV_LOADER_THREADS)
+            self.kv_loader = StageLoader(1 << 20, kv_staging_slots(self.placement.block_batches),
+                                         True, self.trace, threads=KV_LOADER_THREADS)
             self.store_worker = StoreWorker(self.trace)
 
     def first_attention_backend(self):

@@ -88,11 +88,11 @@ def test_slow_disk_keeps_as_many_weights_resident_as_fit():
 
 def test_big_blocks_spill_kv_to_disk_when_it_does_not_fit():
     costs = hw(2000, s_per_mparam=5e-3)        # compute-bound: the LP wants big blocks
-    p = choose_placement(PolicySpec("lp"), FACTS, costs, WORK, 44 * MiB, 4, 12)
+    p = choose_placement(PolicySpec("lp"), FACTS, costs, WORK, 52 * MiB, 4, 12)
     kv_all_ram = fast_tier_bytes(FACTS, WORK, 4, 12, 0, FACTS.num_layers, 2)
-    assert kv_all_ram > 44 * MiB
+    assert kv_all_ram > 52 * MiB
     assert p.kv_disk_layers                    # some layers keep their KV on disk
-    assert p.fast_tier_bytes <= 44 * MiB
+    assert p.fast_tier_bytes <= 52 * MiB
 
 
 def test_lp_prefers_larger_blocks_when_weights_stream():
