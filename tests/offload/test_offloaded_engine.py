@@ -5,6 +5,7 @@ within the budget."""
 import pytest
 
 from kvforge import LLM, SamplingParams
+from kvforge.offload.cost_model import SAMPLE_ROWS_PER_CALL, kv_staging_slots
 from tests.offload.conftest import greedy_in_memory
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog and then",
@@ -151,9 +152,11 @@ def test_projections_take_the_whole_block_and_disk_kv_attends_per_batch(tiny_dir
     llm.engine.shutdown()
 
 
-def test_fast_tier_bytes_stay_within_the_budget(tiny_dir, offload_dir):
+@pytest.mark.parametrize("policy, block_batches", [("lp", None), ("w=0,kv=0", 12)])
+def test_fast_tier_bytes_stay_within_the_budget(tiny_dir, offload_dir, policy, block_batches):
     budget = 24 * 2 ** 20
-    llm = offloaded(tiny_dir, offload_dir, offload_memory_budget=budget, offload_batch_size=2)
+    llm = offloaded(tiny_dir, offload_dir, offload_memory_budget=budget, offload_batch_size=2,
+                    offload_policy=policy, offload_block_batches=block_batches)
     runner = llm.engine.runner
     model = runner.model
     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -162,7 +165,14 @@ def test_fast_tier_bytes_stay_within_the_budget(tiny_dir, offload_dir):
     held = sum(b.nbytes for b in model._resident_buffers)
     held += sum(s.buffer.nbytes for s in model.loader.slots)
     if model.kv_loader is not None:
+        # the ring the budget paid for: a block and a half of batches, at least 8
+        assert model.kv_loader.num_slots == kv_staging_slots(placement.block_batches)
+        assert model.kv_loader.num_slots >= 1.5 * placement.block_batches
         held += sum(s.buffer.nbytes for s in model.kv_loader.slots)
+    else:
+        assert policy == "lp"           # the explicit policy keeps every layer's KV on disk
+    # the sampler's working copies the budget counts: one call's rows
+    assert runner.sample_rows_per_call == SAMPLE_ROWS_PER_CALL
     held += sum(c.numel() * c.element_size() for j, c in enumerate(runner.kv_caches)
                 if j not in model.kv_disk)
     assert held <= budget
