@@ -114,7 +114,10 @@ def probe_file(directory: str, nbytes: int = 256 << 20,
     (the write rate) and evicted from the page cache, for the read probes; removed after."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, ".kvforge-bandwidth-probe")
-    block = os.urandom(1 << 20) * (chunk >> 20)
+    if chunk % ALIGN or nbytes % chunk:
+        raise ValueError(f"probe chunk {chunk} must be a multiple of {ALIGN} dividing the "
+                         f"probe's {nbytes} bytes")
+    block = (os.urandom(1 << 20) * -(-chunk // (1 << 20)))[:chunk]   # a hole reads as no I/O
     start = time.perf_counter()
     write_file(path, [(off, block) for off in range(0, nbytes, chunk)], nbytes)
     try:

@@ -42,6 +42,25 @@ def test_read_while_reads_the_disk_tier_during_the_work_and_cleans_up(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("chunk", [256 << 10, 1 << 20, 3 << 20])
+def test_probe_file_is_written_in_full_at_any_chunk(tmp_path, chunk):
+    """A probe with holes would be read without touching the disk (a 256 KiB chunk once
+    wrote none of its bytes and 'read' at 16 GB/s)."""
+    nbytes = 4 * chunk
+    with probe_file(str(tmp_path), nbytes=nbytes, chunk=chunk) as (path, _):
+        assert os.stat(path).st_blocks * 512 >= nbytes       # allocated: no holes
+        with open(path, "rb") as f:
+            data = f.read()
+    assert len(data) == nbytes and data.count(0) < nbytes // 64
+
+
+def test_probe_file_refuses_a_chunk_that_does_not_tile_it(tmp_path):
+    with pytest.raises(ValueError, match="probe chunk"):
+        with probe_file(str(tmp_path), nbytes=1 << 20, chunk=3000):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
 class TwoLinear(nn.Module):
     def __init__(self):
         super().__init__()

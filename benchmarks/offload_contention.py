@@ -1,0 +1,139 @@
+"""What the disk tier's reads cost the compute beside them: the question behind an offloaded
+step taking longer than max(load, compute).
+
+A thread reads a fresh probe file of the disk tier with direct I/O (the offload loader's
+reads) while the caller runs the GEMM of a decode block's rows (128 x 2048 by 2048 x 2048
+fp32, the calibration's); each request size is timed alone and beside the GEMM. Reported per
+row: the read rate alone and beside the GEMM, the GEMM's slowdown, where the two vCPUs' time
+went meanwhile (``/proc/stat``: steal is time the hypervisor ran something else on them, on
+a VM often the virtual disk itself), and the GEMM's CPU-seconds lost per GB read.
+
+    .venv/bin/python benchmarks/offload_contention.py              # ~1 min
+    .venv/bin/python benchmarks/offload_contention.py --sizes 1MiB 16MiB --threads 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.hardware import hardware_line  # noqa: E402
+from benchmarks.report import format_table  # noqa: E402
+from kvforge.config import parse_bytes  # noqa: E402
+from kvforge.kernels import ops as kernel_ops  # noqa: E402
+from kvforge.offload.calibrate import CONTENTION_ROWS  # noqa: E402
+from kvforge.offload.direct_io import probe_file, read_rate, read_while  # noqa: E402
+
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times() -> list[int]:
+    """The machine's cumulative CPU time by kind (``/proc/stat``'s first line, in ticks)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        return [int(v) for v in f.readline().split()[1:1 + len(CPU_FIELDS)]]
+
+
+def shares(before: list[int], after: list[int]) -> dict[str, float]:
+    delta = [b - a for a, b in zip(before, after)]
+    total = max(sum(delta), 1)
+    return {name: d / total for name, d in zip(CPU_FIELDS, delta)}
+
+
+def gemm_work(rows: int, k: int, seconds: float, mkl: bool):
+    """(work, seconds alone per call, calls): the layers' fp32 linear (the compiled kernel
+    where it applies, else MKL; ``mkl``: MKL's) repeated for about ``seconds``."""
+    w = torch.randn(k, k)
+    x = torch.randn(rows, k)
+
+    def linear() -> None:
+        if mkl or kernel_ops.linear_rows(x, w) is None:
+            torch.nn.functional.linear(x, w)
+
+    linear()
+    start, reps = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        linear()
+        reps += 1
+    alone = (time.perf_counter() - start) / reps
+
+    def work() -> None:
+        for _ in range(reps):
+            linear()
+
+    return work, alone, reps
+
+
+def measure(directory: str, chunk: int, threads: int, probe_bytes: int, seconds: float,
+            mkl: bool) -> dict:
+    torch.set_num_threads(threads)
+    with torch.inference_mode(), probe_file(directory, probe_bytes, chunk) as (path, _):
+        cpu0 = time.process_time()
+        alone_rate = read_rate(path, probe_bytes, chunk)
+        reader_cpu = (time.process_time() - cpu0) / (probe_bytes / 1e9)   # the guest's own
+        work, per_call, reps = gemm_work(CONTENTION_ROWS, 2048, seconds, mkl)
+        before = cpu_times()
+        rate, busy = read_while(path, work, probe_bytes, chunk)
+        spent = shares(before, cpu_times())
+    slowdown = busy / (reps * per_call)
+    lost = busy - reps * per_call                     # wall seconds the GEMM lost ...
+    return {"threads": threads, "chunk": chunk, "read_alone": alone_rate, "read_busy": rate,
+            "reader_cpu_s_per_gb": reader_cpu,
+            "slowdown": slowdown, "spent": spent,
+            # ... on each of its threads: CPU-seconds, per GB the reader moved meanwhile
+            "cpu_s_per_gb": lost * threads / max(rate * busy / 1e9, 1e-9)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--offload-dir", default=os.path.expanduser("~/.cache/kvforge/offload"))
+    p.add_argument("--sizes", nargs="+", default=["256KiB", "1MiB", "4MiB", "16MiB"],
+                   help="direct-read request sizes")
+    p.add_argument("--threads", nargs="+", type=int, default=[2, 1], help="GEMM threads")
+    p.add_argument("--probe", default="256MiB", help="probe file size")
+    p.add_argument("--seconds", type=float, default=2.0, help="GEMM time alone per row")
+    p.add_argument("--mkl", action="store_true",
+                   help="MKL's GEMM (static split of the work) instead of the compiled kernel")
+    args = p.parse_args(argv)
+    probe_bytes = parse_bytes(args.probe)
+    hardware = hardware_line()          # before the rows change the thread count
+    results = []
+    for threads in args.threads:
+        for size in args.sizes:
+            chunk = parse_bytes(size)
+            if chunk % 4096 or probe_bytes % chunk:
+                raise ValueError(f"request size {size!r} must be a multiple of 4 KiB dividing "
+                                 f"the probe ({args.probe})")
+            results.append(measure(args.offload_dir, chunk, threads, probe_bytes, args.seconds,
+                                   args.mkl))
+    print(f"{hardware} | GEMM: {'MKL' if args.mkl else 'compiled kernel where it applies'}")
+    headers = ["GEMM threads", "request KiB", "read GB/s alone", "reader CPU-s / GB alone",
+               "read GB/s beside GEMM", "GEMM slowdown", "steal %", "system+irq %", "iowait %",
+               "GEMM CPU-s lost / GB"]
+    rows = [[r["threads"], r["chunk"] >> 10, r["read_alone"] / 1e9, r["reader_cpu_s_per_gb"],
+             r["read_busy"] / 1e9,
+             r["slowdown"], 100 * r["spent"]["steal"],
+             100 * (r["spent"]["system"] + r["spent"]["irq"] + r["spent"]["softirq"]),
+             100 * r["spent"]["iowait"], r["cpu_s_per_gb"]] for r in results]
+    print(format_table(headers, rows))
+    two = [r for r in results if r["threads"] == max(args.threads)] or results
+    worst = max(two, key=lambda r: r["slowdown"])
+    best = min(two, key=lambda r: r["slowdown"])
+    print(f"SUMMARY offload_contention ({hardware}; {'MKL' if args.mkl else 'compiled'} GEMM): a {max(args.threads)}-thread GEMM "
+          f"runs {best['slowdown']:.2f}-{worst['slowdown']:.2f}x slower beside direct reads "
+          f"of {min(r['chunk'] for r in two) >> 10}-{max(r['chunk'] for r in two) >> 10} KiB "
+          f"requests ({min(r['read_busy'] for r in two) / 1e9:.2f}-"
+          f"{max(r['read_busy'] for r in two) / 1e9:.2f} GB/s); steal "
+          f"{100 * min(r['spent']['steal'] for r in two):.0f}-"
+          f"{100 * max(r['spent']['steal'] for r in two):.0f}% of the CPUs meanwhile; "
+          f"{min(r['cpu_s_per_gb'] for r in two):.2f}-{max(r['cpu_s_per_gb'] for r in two):.2f} "
+          f"CPU-s of compute lost per GB read")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
