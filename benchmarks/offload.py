@@ -6,7 +6,9 @@ each (EOS ignored), the fp32 model under ``--budget`` of RAM for weights, KV and
 Each system runs in a child process of its own, so peak RSS and ``/proc/self/io`` read bytes
 are its own. Reported per system: end-to-end tok/s (prefill included), decode tok/s (all-decode
 steps only), peak RSS, bytes read from storage per generated token, the loader's overlap
-fraction, the LP's predicted decode tok/s. The naive policy and Accelerate run the first
+fraction, the LP's predicted decode tok/s (for the steps the run made: a step of n sequences
+fills ceil(n / batch) of the block's batches; the hardware constants are measured again before
+the first round unless ``--cached-calibration``). The naive policy and Accelerate run the first
 ``--naive-prompts`` / ``--accelerate-prompts`` prompts: both run one batch at a time, so their
 throughput does not depend on how many batches follow (a full 128-prompt run would only take
 longer). Greedy tokens of every offloaded run are compared with the in-memory run's.
@@ -127,7 +129,11 @@ def child_kvforge(cfg: dict) -> dict:
             read_per_token=model.bytes_read / n_tokens,
             written_per_token=model.bytes_written / n_tokens,
             overlap=model.trace.overlap_fraction(),
-            predicted_decode_tok_s=runner.placement.predicted_tokens_per_s,
+            # the cost model's decode tok/s for the steps this run made (a step of n
+            # sequences fills ceil(n / batch) batches of the block), and for a full block
+            predicted_decode_tok_s=sum(n for n, _ in decode_steps) / max(
+                sum(runner.predicted_decode_step_s(n) for n, _ in decode_steps), 1e-9),
+            predicted_block_tok_s=runner.placement.predicted_tokens_per_s,
             placement=runner.placement.describe(),
             block_batches=runner.placement.block_batches,
             counts=list(runner.placement.counts),
@@ -236,8 +242,19 @@ def child_hf_dir(cfg: dict) -> dict:
     return {"hf_dir": hf_dir_of(cfg["model"], cfg["offload_dir"])}
 
 
+def child_calibrate(cfg: dict) -> dict:
+    """``kvforge offload calibrate`` at the systems' thread count: the cost model's constants
+    as the disk runs now (it drifts 2x between hours), cached for the engines that follow."""
+    import torch
+    from kvforge.offload.calibrate import load_or_measure
+    torch.set_num_threads(cfg["threads"])
+    hw, _ = load_or_measure(cfg["offload_dir"], refresh=True)
+    return {"read": hw.disk_read_bytes_per_s, "read_beside": hw.disk_read_beside_compute_bytes_per_s,
+            "slowdown": hw.compute_contended_slowdown}
+
+
 CHILDREN = {"runtime": child_runtime, "kvforge": child_kvforge, "accelerate": child_accelerate,
-            "hf_dir": child_hf_dir}
+            "hf_dir": child_hf_dir, "calibrate": child_calibrate}
 
 
 def run_child(cfg: dict) -> dict:
@@ -272,6 +289,9 @@ def main() -> int:
                         "system's median round, the ratios are medians of the rounds' ratios "
                         "(the disk's speed drifts between runs)")
     p.add_argument("--offload-dir", default=os.path.expanduser("~/.cache/kvforge/offload"))
+    p.add_argument("--cached-calibration", action="store_true",
+                   help="keep the cached `kvforge offload calibrate` constants (default: measure "
+                        "them again first, so the LP's prediction is for the disk of this hour)")
     p.add_argument("--skip-accelerate", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--grid", action="store_true", help="also run the grid of placements")
@@ -300,6 +320,11 @@ def main() -> int:
     print(f"model {os.path.basename(model_path)} {weights}, budget {args.budget}, "
           f"{args.prompts} prompts x {args.output_tokens} tokens, batch {args.batch_size}, "
           f"{args.rounds} round(s)")
+    if not args.cached_calibration:
+        cal = run_child(dict(base, kind="calibrate"))
+        print(f"calibrated now: direct reads {cal['read'] / 1e6:.0f} MB/s alone, "
+              f"{cal['read_beside'] / 1e6:.0f} beside compute; compute beside reads "
+              f"{cal['slowdown']:.2f}x", flush=True)
     overhead = run_child(dict(base, kind="runtime"))["peak_rss"]
     budget_bytes = _parse_bytes(args.budget)
     systems = {"lp": dict(base, kind="kvforge", policy="lp", prompts=args.prompts,
@@ -407,7 +432,8 @@ def _report(rounds: list[dict[str, dict]], overhead: int, budget: int, args) -> 
                  f"{lp['start_rss'] / 2**20:.0f} MiB (runtime {overhead / 2**20:.0f} MiB + "
                  f"skeleton, scheduler) + {(lp['peak_rss'] - lp['start_rss']) / 2**20:.0f} MiB "
                  f"for a {budget / 2**20:.0f} MiB budget")
-    parts.append(f"LP predicted decode {lp['predicted_decode_tok_s']:.1f} vs measured "
+    parts.append(f"LP predicted decode {lp['predicted_decode_tok_s']:.1f} for the steps run "
+                 f"({lp['predicted_block_tok_s']:.1f} for a full block) vs measured "
                  f"{lp['decode_tok_s']:.1f} tok/s")
     parts.append(f"overlap {lp['overlap']:.2f}")
     if mem is not None:

@@ -20,7 +20,8 @@ from kvforge.loader.source import ModelSource
 from kvforge.models.layerwise import layerwise_family
 from kvforge.models.registry import get_model_class
 from kvforge.offload.calibrate import load_or_measure
-from kvforge.offload.cost_model import SAMPLE_ROWS_PER_CALL, ModelFacts, Workload
+from kvforge.offload.cost_model import (SAMPLE_ROWS_PER_CALL, ModelFacts, Workload,
+                                        decode_step_s)
 from kvforge.offload.direct_io import AlignedBuffer
 from kvforge.offload.kv_disk import DiskKVLayer
 from kvforge.offload.kv_slots import DiskSlotMap
@@ -177,6 +178,7 @@ class OffloadModelRunner(ModelRunner):
                                      config.offload_batch_size, config.offload_block_batches)
         logger.info("%s", placement.describe())
         self.placement, self.hardware, self.facts = placement, hw, facts
+        self.workload = workload
         # one engine step is one block (engine/llm_engine builds the scheduler after the runner)
         config.max_num_seqs = placement.block_seqs
         return OffloadedLM(skeleton, store, placement, TraceRecorder())
@@ -184,6 +186,16 @@ class OffloadModelRunner(ModelRunner):
     @property
     def attention_model(self) -> torch.nn.Module:
         return self.model.inner       # the skeleton's layers attend; OffloadedLM streams them
+
+    def predicted_decode_step_s(self, seqs: int) -> float:
+        """The cost model's seconds for a decode step of ``seqs`` sequences under the chosen
+        placement: the batches they fill (the placement's own prediction is for a full
+        block), so a run that fills part of the block is compared with its own prediction."""
+        if seqs < 1:
+            raise ValueError(f"a decode step has at least one sequence, got {seqs}")
+        p = self.placement
+        return decode_step_s(self.facts, self.hardware, self.workload, p.batch_size,
+                             math.ceil(seqs / p.batch_size), p.counts, p.overlap)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks is not None:

@@ -245,3 +245,22 @@ def test_start_times_no_kernel_plans_under_a_budget(tiny_dir, offload_dir, monke
     assert [t.key for t in cached] == ["48x64"] and timed == [(64, 48)]
     assert tune.installed()                                     # the cached plan applies
     tune.install([])
+
+
+def test_the_prediction_for_a_partly_filled_block_is_for_its_batches(tiny_dir, offload_dir):
+    """The benchmark compares a run's decode steps with the cost model's for the batches those
+    steps filled: a full block gives the placement's own prediction, fewer sequences fewer
+    batches (a shorter step), and the sequences of one batch cost the same step."""
+    llm = offloaded(tiny_dir, offload_dir, offload_policy="w=0,kv=0", offload_batch_size=2,
+                    offload_block_batches=3)
+    runner = llm.engine.runner
+    p = runner.placement
+    assert p.block_seqs == 6
+    assert runner.predicted_decode_step_s(6) == pytest.approx(p.predicted_step_s)
+    two, one = runner.predicted_decode_step_s(4), runner.predicted_decode_step_s(2)
+    assert one < two < p.predicted_step_s
+    assert runner.predicted_decode_step_s(1) == one      # one batch either way
+    assert runner.predicted_decode_step_s(3) == two
+    with pytest.raises(ValueError, match="got 0"):
+        runner.predicted_decode_step_s(0)
+    llm.engine.shutdown()
