@@ -249,7 +249,8 @@ def child_calibrate(cfg: dict) -> dict:
     from kvforge.offload.calibrate import load_or_measure
     torch.set_num_threads(cfg["threads"])
     hw, _ = load_or_measure(cfg["offload_dir"], refresh=True)
-    return {"read": hw.disk_read_bytes_per_s, "read_beside": hw.disk_read_beside_compute_bytes_per_s,
+    return {"read": hw.disk_read_bytes_per_s,
+            "read_beside": hw.disk_read_beside_compute_bytes_per_s,
             "slowdown": hw.compute_contended_slowdown}
 
 

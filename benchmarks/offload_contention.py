@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     two = [r for r in results if r["threads"] == max(args.threads)] or results
     worst = max(two, key=lambda r: r["slowdown"])
     best = min(two, key=lambda r: r["slowdown"])
-    print(f"SUMMARY offload_contention ({hardware}; {'MKL' if args.mkl else 'compiled'} GEMM): a {max(args.threads)}-thread GEMM "
-          f"runs {best['slowdown']:.2f}-{worst['slowdown']:.2f}x slower beside direct reads "
+    kernel = "MKL" if args.mkl else "compiled"
+    print(f"SUMMARY offload_contention ({hardware}; {kernel} GEMM): a "
+          f"{max(args.threads)}-thread GEMM runs {best['slowdown']:.2f}-{worst['slowdown']:.2f}x slower beside direct reads "
           f"of {min(r['chunk'] for r in two) >> 10}-{max(r['chunk'] for r in two) >> 10} KiB "
           f"requests ({min(r['read_busy'] for r in two) / 1e9:.2f}-"
           f"{max(r['read_busy'] for r in two) / 1e9:.2f} GB/s); steal "
