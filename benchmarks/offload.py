@@ -279,8 +279,10 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--naive-prompts", type=int, default=16)
     p.add_argument("--accelerate-prompts", type=int, default=8)
-    p.add_argument("--accelerate-output-tokens", type=int, default=4,
-                   help="tokens per Accelerate prompt (it makes ~1 tok/s on the 1.5B model: fewer tokens)")
+    p.add_argument("--accelerate-output-tokens", type=int, default=None,
+                   help="tokens per Accelerate prompt (default: --output-tokens, the workload "
+                        "every system runs; fewer favour kvforge, since Accelerate's prefill "
+                        "forward then weighs more)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=None,
@@ -341,7 +343,8 @@ def main() -> int:
         for name, evict in (("accelerate (disk)", True), ("accelerate (page cache)", False)):
             systems[name] = dict(base, kind="accelerate", hf_dir=hf_dir, evict=evict,
                                  prompts=args.accelerate_prompts,
-                                 output_tokens=args.accelerate_output_tokens)
+                                 output_tokens=args.accelerate_output_tokens
+                                 or args.output_tokens)
     if not args.skip_memory:
         systems["memory"] = dict(base, kind="kvforge", policy="memory", prompts=args.prompts)
     rounds: list[dict[str, dict]] = []
