@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from benchmarks.hardware import hardware_line  # noqa: E402
 from benchmarks.report import format_table  # noqa: E402
 from kvforge.config import parse_bytes  # noqa: E402
-from kvforge.kernels import ops as kernel_ops  # noqa: E402
-from kvforge.offload.calibrate import CONTENTION_ROWS  # noqa: E402
-from kvforge.offload.direct_io import probe_file, read_rate, read_while  # noqa: E402
+from kvforge.offload.calibrate import (CONTENTION_ROWS, CONTENTION_SIZE,  # noqa: E402
+                                       layer_linear, repeat_for)
+from kvforge.offload.direct_io import ALIGN, probe_file, read_rate, read_while  # noqa: E402
 
 CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -44,30 +44,6 @@ def shares(before: list[int], after: list[int]) -> dict[str, float]:
     return {name: d / total for name, d in zip(CPU_FIELDS, delta)}
 
 
-def gemm_work(rows: int, k: int, seconds: float, mkl: bool):
-    """(work, seconds alone per call, calls): the layers' fp32 linear (the compiled kernel
-    where it applies, else MKL; ``mkl``: MKL's) repeated for about ``seconds``."""
-    w = torch.randn(k, k)
-    x = torch.randn(rows, k)
-
-    def linear() -> None:
-        if mkl or kernel_ops.linear_rows(x, w) is None:
-            torch.nn.functional.linear(x, w)
-
-    linear()
-    start, reps = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        linear()
-        reps += 1
-    alone = (time.perf_counter() - start) / reps
-
-    def work() -> None:
-        for _ in range(reps):
-            linear()
-
-    return work, alone, reps
-
-
 def measure(directory: str, chunk: int, threads: int, probe_bytes: int, seconds: float,
             mkl: bool) -> dict:
     torch.set_num_threads(threads)
@@ -75,7 +51,11 @@ def measure(directory: str, chunk: int, threads: int, probe_bytes: int, seconds:
         cpu0 = time.process_time()
         alone_rate = read_rate(path, probe_bytes, chunk)
         reader_cpu = (time.process_time() - cpu0) / (probe_bytes / 1e9)   # the guest's own
-        work, per_call, reps = gemm_work(CONTENTION_ROWS, 2048, seconds, mkl)
+        # the calibration's GEMM: the layers' linear (compiled kernel, else MKL), or MKL's
+        w = torch.randn(CONTENTION_SIZE, CONTENTION_SIZE)
+        x = torch.randn(CONTENTION_ROWS, CONTENTION_SIZE)
+        linear = torch.nn.functional.linear if mkl else layer_linear
+        work, per_call, reps = repeat_for(lambda: linear(x, w), seconds)
         before = cpu_times()
         rate, busy = read_while(path, work, probe_bytes, chunk)
         spent = shares(before, cpu_times())
@@ -101,15 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     probe_bytes = parse_bytes(args.probe)
     hardware = hardware_line()          # before the rows change the thread count
-    results = []
-    for threads in args.threads:
-        for size in args.sizes:
-            chunk = parse_bytes(size)
-            if chunk % 4096 or probe_bytes % chunk:
-                raise ValueError(f"request size {size!r} must be a multiple of 4 KiB dividing "
-                                 f"the probe ({args.probe})")
-            results.append(measure(args.offload_dir, chunk, threads, probe_bytes, args.seconds,
-                                   args.mkl))
+    chunks = [parse_bytes(size) for size in args.sizes]
+    for size, chunk in zip(args.sizes, chunks):      # before any measuring, in the user's words
+        if chunk % ALIGN or probe_bytes % chunk:
+            raise ValueError(f"request size {size!r} must be a multiple of {ALIGN} bytes "
+                             f"dividing the probe ({args.probe})")
+    results = [measure(args.offload_dir, chunk, threads, probe_bytes, args.seconds, args.mkl)
+               for threads in args.threads for chunk in chunks]
     print(f"{hardware} | GEMM: {'MKL' if args.mkl else 'compiled kernel where it applies'}")
     headers = ["GEMM threads", "request KiB", "read GB/s alone", "reader CPU-s / GB alone",
                "read GB/s beside GEMM", "GEMM slowdown", "steal %", "system+irq %", "iowait %",
@@ -121,18 +99,18 @@ def main(argv: list[str] | None = None) -> int:
              100 * r["spent"]["iowait"], r["cpu_s_per_gb"]] for r in results]
     print(format_table(headers, rows))
     two = [r for r in results if r["threads"] == max(args.threads)] or results
-    worst = max(two, key=lambda r: r["slowdown"])
-    best = min(two, key=lambda r: r["slowdown"])
+
+    def span(values, fmt: str) -> str:
+        values = list(values)
+        return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
     kernel = "MKL" if args.mkl else "compiled"
     print(f"SUMMARY offload_contention ({hardware}; {kernel} GEMM): a "
-          f"{max(args.threads)}-thread GEMM runs {best['slowdown']:.2f}-{worst['slowdown']:.2f}x slower beside direct reads "
-          f"of {min(r['chunk'] for r in two) >> 10}-{max(r['chunk'] for r in two) >> 10} KiB "
-          f"requests ({min(r['read_busy'] for r in two) / 1e9:.2f}-"
-          f"{max(r['read_busy'] for r in two) / 1e9:.2f} GB/s); steal "
-          f"{100 * min(r['spent']['steal'] for r in two):.0f}-"
-          f"{100 * max(r['spent']['steal'] for r in two):.0f}% of the CPUs meanwhile; "
-          f"{min(r['cpu_s_per_gb'] for r in two):.2f}-{max(r['cpu_s_per_gb'] for r in two):.2f} "
-          f"CPU-s of compute lost per GB read")
+          f"{max(args.threads)}-thread GEMM runs {span((r['slowdown'] for r in two), '.2f')}x "
+          f"slower beside direct reads of {span((r['chunk'] >> 10 for r in two), 'd')} KiB "
+          f"requests ({span((r['read_busy'] / 1e9 for r in two), '.2f')} GB/s); steal "
+          f"{span((100 * r['spent']['steal'] for r in two), '.0f')}% of the CPUs meanwhile; "
+          f"{span((r['cpu_s_per_gb'] for r in two), '.2f')} CPU-s of compute lost per GB read")
     return 0
 
 

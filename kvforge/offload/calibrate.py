@@ -18,6 +18,7 @@ from kvforge.offload.direct_io import (measure_block_write_s, measure_disk_bandw
 
 CALIBRATION_ROWS = (1, 8, 32, 128, 512)
 CONTENTION_ROWS = 128            # a decode block's rows (16 batches of 8): the step's GEMMs
+CONTENTION_SIZE = 2048           # its weights: 2048 x 2048 fp32, 16 MB, past the caches
 CONTENTION_SECONDS = 1.0
 CACHE_PATH = os.path.expanduser("~/.cache/kvforge/offload_calibration.json")
 
@@ -84,14 +85,12 @@ def _cache_key(offload_dir: str) -> str:
 def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
     disk_read, disk_write = measure_disk_bandwidth(offload_dir, probe_bytes)
     block_write = measure_block_write_s(offload_dir)
-    n = k = 2048                              # 4M params, 16 MB: past the caches
+    n = k = CONTENTION_SIZE
     w = torch.randn(n, k)
     per_rows = {}
-    from kvforge.kernels import ops as kernel_ops
 
-    def linear(x):      # the op the layers run: the compiled few-rows kernel, else MKL
-        y = kernel_ops.linear_rows(x, w)
-        return torch.nn.functional.linear(x, w) if y is None else y
+    def linear(x):
+        return layer_linear(x, w)
 
     with torch.inference_mode():
         for rows in CALIBRATION_ROWS:
@@ -120,6 +119,32 @@ def measure(offload_dir: str, probe_bytes: int = 256 << 20) -> HardwareCosts:
                          min(read_contended, disk_read), slowdown)
 
 
+def layer_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` by the op the layers run: the compiled few-rows kernel, else MKL."""
+    from kvforge.kernels import ops as kernel_ops
+    y = kernel_ops.linear_rows(x, w)
+    return torch.nn.functional.linear(x, w) if y is None else y
+
+
+def repeat_for(call, seconds: float):
+    """(work, seconds per call alone, calls): ``call()`` repeated for about ``seconds`` (after
+    one warm-up call), and ``work`` running it that many times again, to time beside
+    something else."""
+    call()
+    start = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - start < seconds:
+        call()
+        reps += 1
+    alone = (time.perf_counter() - start) / reps
+
+    def work() -> None:
+        for _ in range(reps):
+            call()
+
+    return work, alone, reps
+
+
 def _measure_contention(offload_dir: str, probe_bytes: int, linear,
                         k: int) -> tuple[float, float]:
     """(direct-read bytes/s beside the GEMM, the GEMM's time beside reads / alone): the
@@ -127,18 +152,7 @@ def _measure_contention(offload_dir: str, probe_bytes: int, linear,
     reads a fresh probe file of the disk tier (written after the GEMM alone, as the read
     rate's own probe is: on a VM a file read seconds after its write can read 3x slower)."""
     x = torch.randn(CONTENTION_ROWS, k)
-    linear(x)
-    start = time.perf_counter()
-    reps = 0
-    while time.perf_counter() - start < CONTENTION_SECONDS:
-        linear(x)
-        reps += 1
-    alone = (time.perf_counter() - start) / reps
-
-    def work() -> None:
-        for _ in range(reps):
-            linear(x)
-
+    work, alone, reps = repeat_for(lambda: linear(x), CONTENTION_SECONDS)
     with probe_file(offload_dir, probe_bytes) as (probe, _):
         rate, seconds = read_while(probe, work, probe_bytes)
     return rate, max(1.0, seconds / reps / alone)
